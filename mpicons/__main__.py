@@ -1,0 +1,5 @@
+"""``python -m mpicons``: the command line."""
+
+from .cli import run
+
+run()

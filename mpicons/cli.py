@@ -1,0 +1,158 @@
+"""Command line: ``mpicons consolidate|demo``; run under mpiexec/srun or as a single process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import traceback
+from typing import Sequence
+
+from mpi4py import MPI
+
+from . import __version__
+from .consolidation import DEFAULT_BUFFER_SIZE, ConsolidateResult, consolidate
+from .errors import InputError, MpiconsError
+from .io import BACKENDS
+from .parallel import Comm
+from .plan import SPLITS
+
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+
+
+def parse_size(text: str) -> int:
+    """``64M``/``64MiB`` = 64·2^20, ``5GB`` = 5·10^9 (Hugging Face's units), plain numbers are bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 64M, 512MiB, 5GB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _hint(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpicons",
+        description="Consolidate sharded (DCP) safetensors checkpoints into Hugging Face checkpoints, MPI-parallel.",
+    )
+    parser.add_argument("--version", action="version", version=f"mpicons {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("consolidate", help="consolidate INPUT_DIR into OUTPUT_DIR")
+    run.add_argument("input_dir", help="directory of shard-RRRRR-model-IIIII-of-NNNNN.safetensors files")
+    run.add_argument("output_dir", help="where model-IIIII-of-NNNNN.safetensors and the index go")
+    _add_job_options(run)
+    run.set_defaults(func=_cmd_consolidate)
+
+    demo = commands.add_parser("demo", help="write the built-in sample sharded checkpoint and consolidate it")
+    demo.add_argument("directory", nargs="?", default="mpicons-demo", help="work directory (default: %(default)s)")
+    demo.add_argument("--size", type=parse_size, default=0, help="approximate checkpoint size, e.g. 1GB (default: small)")
+    _add_job_options(demo)
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def _add_job_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json")
+    cmd.add_argument("--split", choices=sorted(SPLITS), default="bytes", help="work split over ranks (default: %(default)s)")
+    cmd.add_argument("--io", choices=BACKENDS, default="posix", help="output backend (default: %(default)s)")
+    cmd.add_argument("--hint", type=_hint, action="append", default=[], metavar="KEY=VALUE", help="MPI-IO hint (repeatable)")
+    cmd.add_argument("--buffer-size", type=parse_size, default=DEFAULT_BUFFER_SIZE, metavar="SIZE",
+                     help="memory per rank for assembling blocks (default: 32M)")
+    cmd.add_argument("--force", action="store_true", help="overwrite existing output files")
+    cmd.add_argument("--stats-json", metavar="FILE", help="write the timing report as JSON")
+    cmd.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
+    cmd.add_argument("-v", "--verbose", action="store_true", help="print per-rank detail")
+
+
+def _job_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    return dict(
+        mapping=args.mapping,
+        split=args.split,
+        io=args.io,
+        buffer_size=args.buffer_size,
+        hints=dict(args.hint),
+        force=args.force,
+    )
+
+
+def _report(args: argparse.Namespace, comm: Comm, result: ConsolidateResult) -> None:
+    if comm.rank != 0:
+        return
+    if not args.quiet:
+        print(result.stats.table())
+        if args.verbose:
+            for rank, count in enumerate(result.plan.bytes_per_rank()):
+                print(f"  rank {rank}: {count} bytes in {len(result.plan.work[rank])} work items")
+        print(f"mpicons: wrote {len(result.files)} files and {result.index_file} to {result.output_dir}")
+    if args.stats_json:
+        report = result.stats.to_dict()
+        report["files"] = result.files
+        with open(args.stats_json, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=2)
+            handle.write("\n")
+
+
+def _cmd_consolidate(args: argparse.Namespace, comm: Comm) -> int:
+    result = consolidate(args.input_dir, args.output_dir, comm=comm, **_job_kwargs(args))
+    _report(args, comm, result)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
+    from .sample import SampleConfig, write_sample
+    from .verify import check_sample
+
+    config = SampleConfig.sized(args.size) if args.size else SampleConfig()
+    sharded = os.path.join(args.directory, "sharded")
+    output = os.path.join(args.directory, "consolidated")
+    if comm.rank == 0 and not args.quiet:
+        print(f"mpicons demo: writing a sample checkpoint ({config.layers} layers, hidden {config.hidden}, "
+              f"{config.dp}x{config.tp} training mesh) to {sharded}")
+    write_sample(sharded, config, comm)
+    kwargs = _job_kwargs(args)
+    kwargs["force"] = True
+    result = consolidate(sharded, output, comm=comm, **kwargs)
+    _report(args, comm, result)
+    checked = check_sample(output, config, comm)
+    if comm.rank == 0 and not args.quiet:
+        print(f"mpicons demo: {checked} tensors in {output} match the sample's full tensors bit for bit")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
+    """Run the command line on ``comm`` (default COMM_WORLD); returns the exit code.
+
+    Errors every rank agreed on are printed once, by rank 0, and give exit 2 (bad input) or 1.
+    Anything else is a bug: it is printed with its rank and the job is aborted so no rank hangs.
+    """
+    args = build_parser().parse_args(argv)
+    comm = MPI.COMM_WORLD if comm is None else comm
+    try:
+        return args.func(args, comm)
+    except MpiconsError as exc:
+        if comm.rank == 0:
+            print(f"mpicons: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+    except Exception:  # noqa: BLE001 - last resort: never leave other ranks waiting
+        print(f"mpicons: internal error on rank {comm.rank}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        if comm.size > 1:
+            comm.Abort(1)
+        return 1
+
+
+def run() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+__all__ = ["main", "run", "parse_size", "InputError"]

@@ -1,0 +1,169 @@
+"""The consolidate job: scan → plan → write → finalize, every phase agreed over the communicator."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+from mpi4py import MPI
+
+from .copy import Executor
+from .errors import InputError, MpiconsError, WriteError
+from .io import SourceFiles, open_output
+from .parallel import Comm, agree
+from .plan import INDEX_NAME, Plan, build_plan, parse_mapping
+from .scan import scan
+from .stats import PhaseClock, Stats, reduce_stats
+
+DEFAULT_BUFFER_SIZE = 32 << 20
+PARTIAL_SUFFIX = ".mpicons-partial"
+
+
+@dataclass(frozen=True)
+class ConsolidateResult:
+    """What a consolidation produced; the same on every rank."""
+
+    output_dir: str
+    files: list[str]
+    index_file: str
+    tensors: int
+    total_bytes: int
+    stats: Stats
+    plan: Plan
+
+
+def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict[str, str]:
+    """A ``--mapping`` argument (path to JSON, or the parsed object) as tensor name → file name."""
+    if isinstance(mapping, Mapping):
+        return parse_mapping(dict(mapping))
+    path = os.fspath(mapping)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            obj = json.load(handle)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read mapping ({exc.strerror})") from None
+    except (ValueError, RecursionError) as exc:
+        raise InputError(f"{path}: mapping is not valid JSON ({exc})") from None
+    return parse_mapping(obj, path)
+
+
+def partial_name(name: str) -> str:
+    """Temporary name of an output while it is written (hidden, never a final name)."""
+    return f".{name}{PARTIAL_SUFFIX}"
+
+
+def _prepare_output_dir(input_dir: str, output_dir: str, plan: Plan, force: bool) -> None:
+    if os.path.realpath(input_dir) == os.path.realpath(output_dir):
+        raise InputError(f"{output_dir}: output directory is the input directory")
+    try:
+        os.makedirs(output_dir, exist_ok=True)
+    except OSError as exc:
+        raise WriteError(f"{output_dir}: cannot create output directory ({exc.strerror})") from None
+    if not force:
+        for name in [f.name for f in plan.files] + [INDEX_NAME]:
+            if os.path.lexists(os.path.join(output_dir, name)):
+                raise InputError(f"{os.path.join(output_dir, name)}: already exists (use --force to overwrite)")
+
+
+def _publish(output_dir: str, plan: Plan) -> None:
+    """Rename every finished output to its final name, then write the index last."""
+    for out in plan.files:
+        os.replace(os.path.join(output_dir, partial_name(out.name)), os.path.join(output_dir, out.name))
+    index_tmp = os.path.join(output_dir, partial_name(INDEX_NAME))
+    with open(index_tmp, "w", encoding="utf-8") as handle:
+        json.dump(plan.index(), handle, indent=2)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(index_tmp, os.path.join(output_dir, INDEX_NAME))
+    dir_fd = os.open(output_dir, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _remove_partials(output_dir: str, plan: Plan) -> None:
+    for name in [f.name for f in plan.files] + [INDEX_NAME]:
+        try:
+            os.unlink(os.path.join(output_dir, partial_name(name)))
+        except OSError:
+            pass
+
+
+def consolidate(
+    input_dir: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    *,
+    comm: Comm | None = None,
+    mapping: str | os.PathLike[str] | Mapping[str, object] | None = None,
+    split: str = "bytes",
+    io: str = "posix",
+    buffer_size: int = DEFAULT_BUFFER_SIZE,
+    hints: Mapping[str, str] | None = None,
+    force: bool = False,
+) -> ConsolidateResult:
+    """Consolidate the sharded checkpoint in ``input_dir`` into a Hugging Face checkpoint in ``output_dir``.
+
+    Collective over ``comm`` (default ``MPI.COMM_WORLD``): every rank of it must call this with the
+    same arguments. Raises :class:`~mpicons.errors.InputError` for a bad checkpoint or options and
+    :class:`~mpicons.errors.WriteError` for I/O failures, on every rank alike.
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
+    clock = PhaseClock()
+    with clock("scan"):
+        names = agree(comm, lambda: load_mapping(mapping) if mapping is not None and comm.rank == 0 else None, root=0)
+        table = scan(input_dir, comm)
+    with clock("plan"):
+        plan = agree(comm, lambda: build_plan(table, comm.size, mapping=names, split=split))
+    with clock("write"):
+        agree(comm, lambda: _prepare_output_dir(input_dir, output_dir, plan, force) if comm.rank == 0 else None, root=0)
+        paths = [os.path.join(output_dir, partial_name(f.name)) for f in plan.files]
+        output = agree(
+            comm,
+            lambda: open_output(io, comm, paths, [f.header for f in plan.files], [f.size for f in plan.files], hints),
+        )
+        sources = SourceFiles(input_dir, plan.source_files)
+        try:
+            agree(comm, output.create)
+            written = agree(comm, lambda: _write_share(plan, sources, output, buffer_size, comm.rank))
+            agree(comm, output.sync)
+        except MpiconsError:
+            _close_quietly(output, sources)
+            if comm.rank == 0:
+                _remove_partials(output_dir, plan)
+            raise
+        _close_quietly(output, sources)
+    with clock("finalize"):
+        try:
+            agree(comm, lambda: _publish(output_dir, plan) if comm.rank == 0 else None, root=0)
+        except MpiconsError:
+            if comm.rank == 0:
+                _remove_partials(output_dir, plan)
+            raise
+    stats = reduce_stats(comm, clock, written, len(plan.files), len(plan.tensors), plan.total_bytes)
+    return ConsolidateResult(
+        output_dir=output_dir,
+        files=[f.name for f in plan.files],
+        index_file=INDEX_NAME,
+        tensors=len(plan.tensors),
+        total_bytes=plan.total_bytes,
+        stats=stats,
+        plan=plan,
+    )
+
+
+def _write_share(plan: Plan, sources: SourceFiles, output: object, buffer_size: int, rank: int) -> int:
+    executor = Executor(plan, sources, output, buffer_size)  # type: ignore[arg-type]
+    return executor.run(plan.work[rank])
+
+
+def _close_quietly(output: object, sources: SourceFiles) -> None:
+    sources.close()
+    try:
+        output.close()  # type: ignore[attr-defined]
+    except (OSError, MPI.Exception):
+        pass

@@ -1,0 +1,226 @@
+"""The safetensors file format: dtypes, header parsing and reference-identical header writing.
+
+The writer reproduces the bytes of safetensors' own serializer (``safetensors/src/tensor.rs``):
+tensors sorted by dtype (largest alignment first) then name, compact JSON with
+``__metadata__`` first, padded with spaces to a multiple of 8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+from .errors import InputError
+
+#: safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in the reference reader).
+MAX_HEADER_SIZE = 100_000_000
+
+
+@dataclass(frozen=True)
+class DType:
+    """One safetensors dtype: its header name, size in bits and numpy name (None when numpy lacks it)."""
+
+    name: str
+    bits: int
+    numpy: str | None
+    torch: str | None
+    is_float: bool = False
+
+
+# Listed in the reference writer's order: largest alignment first (the reverse of its enum order).
+DTYPES: tuple[DType, ...] = (
+    DType("U64", 64, "uint64", "uint64"),
+    DType("I64", 64, "int64", "int64"),
+    DType("F64", 64, "float64", "float64", True),
+    DType("C64", 64, "complex64", "complex64"),
+    DType("F32", 32, "float32", "float32", True),
+    DType("U32", 32, "uint32", "uint32"),
+    DType("I32", 32, "int32", "int32"),
+    DType("BF16", 16, "bfloat16", "bfloat16", True),
+    DType("F16", 16, "float16", "float16", True),
+    DType("U16", 16, "uint16", "uint16"),
+    DType("I16", 16, "int16", "int16"),
+    DType("F8_E5M2FNUZ", 8, "float8_e5m2fnuz", "float8_e5m2fnuz", True),
+    DType("F8_E4M3FNUZ", 8, "float8_e4m3fnuz", "float8_e4m3fnuz", True),
+    DType("F8_E8M0", 8, "float8_e8m0fnu", "float8_e8m0fnu", True),
+    DType("F8_E4M3", 8, "float8_e4m3fn", "float8_e4m3fn", True),
+    DType("F8_E5M2", 8, "float8_e5m2", "float8_e5m2", True),
+    DType("I8", 8, "int8", "int8"),
+    DType("U8", 8, "uint8", "uint8"),
+    DType("F6_E3M2", 6, "float6_e3m2fn", None, True),
+    DType("F6_E2M3", 6, "float6_e2m3fn", None, True),
+    DType("F4", 4, "float4_e2m1fn", "float4_e2m1fn_x2", True),
+    DType("BOOL", 8, "bool", "bool"),
+)
+DTYPE_BY_NAME: dict[str, DType] = {d.name: d for d in DTYPES}
+#: Sort key of a dtype in the reference writer's tensor order.
+DTYPE_ORDER: dict[str, int] = {d.name: i for i, d in enumerate(DTYPES)}
+
+
+def nbytes_of(dtype: str, shape: Sequence[int]) -> int | None:
+    """Byte length of a tensor, or None when it is not a whole number of bytes (sub-byte dtypes)."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    bits = count * DTYPE_BY_NAME[dtype].bits
+    return bits // 8 if bits % 8 == 0 else None
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A tensor as the header describes it; ``begin``/``end`` are relative to the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    """A parsed header: metadata, tensors in file order, and where the data section starts."""
+
+    metadata: dict[str, str]
+    tensors: tuple[TensorEntry, ...]
+    data_start: int
+    file_size: int
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """JSON object hook: the reference reader rejects duplicate tensor names, so do we."""
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(key)
+            seen.add(key)
+    return result
+
+
+def _bad(path: str, what: str) -> InputError:
+    return InputError(f"{path}: {what}")
+
+
+def parse_header(raw: bytes, file_size: int, path: str = "<bytes>") -> Header:
+    """Parse and validate the JSON header ``raw`` of a file of ``file_size`` bytes.
+
+    Applies the reference reader's rules: UTF-8 JSON object, known dtypes, byte lengths
+    that match shape × dtype, offsets contiguous from 0 and ending exactly at the file's end.
+    """
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as exc:
+        raise _bad(path, f"header is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise _bad(path, f"header is not valid JSON ({exc})") from None
+    except _DuplicateKey as exc:
+        raise _bad(path, f"header names {exc.args[0]!r} twice") from None
+    if not isinstance(obj, dict):
+        raise _bad(path, "header is not a JSON object")
+    metadata = obj.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise _bad(path, "__metadata__ is not a map of strings to strings")
+    entries = []
+    for name, info in obj.items():
+        entries.append(_parse_entry(path, name, info))
+    data_start = 8 + len(raw)
+    ordered = sorted(entries, key=lambda e: (e.begin, e.end))
+    position = 0
+    for entry in ordered:
+        if entry.begin != position:
+            kind = "overlaps the previous tensor" if entry.begin < position else "leaves a gap before it"
+            raise _bad(path, f"tensor {entry.name!r}: data_offsets {entry.begin}..{entry.end} {kind} (expected start {position})")
+        position = entry.end
+    if data_start + position != file_size:
+        raise _bad(
+            path,
+            f"file is {file_size} bytes but the header describes {data_start + position}"
+            + (" (truncated?)" if file_size < data_start + position else " (trailing bytes)"),
+        )
+    return Header(metadata, tuple(entries), data_start, file_size)
+
+
+def _parse_entry(path: str, name: str, info: object) -> TensorEntry:
+    if not isinstance(info, dict):
+        raise _bad(path, f"tensor {name!r}: entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in DTYPE_BY_NAME:
+        raise _bad(path, f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise _bad(path, f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(type(o) is int and o >= 0 for o in offsets)
+        or offsets[0] > offsets[1]
+    ):
+        raise _bad(path, f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+    expected = nbytes_of(dtype, shape)
+    if expected is None:
+        raise _bad(path, f"tensor {name!r}: shape {shape} of {dtype} is not a whole number of bytes")
+    if offsets[1] - offsets[0] != expected:
+        raise _bad(
+            path,
+            f"tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}",
+        )
+    return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+def read_header(path: str | os.PathLike[str]) -> Header:
+    """Read and validate the header of the safetensors file at ``path`` (data is not read)."""
+    label = os.fspath(path)
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        prefix = handle.read(8)
+        if len(prefix) < 8:
+            raise _bad(label, f"file is {size} bytes, too short for a safetensors header")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_SIZE:
+            raise _bad(label, f"header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes")
+        if 8 + length > size:
+            raise _bad(label, f"header length {length} runs past the end of the {size}-byte file (truncated?)")
+        raw = handle.read(length)
+    if len(raw) != length:
+        raise _bad(label, "file shrank while its header was read")
+    return parse_header(raw, size, label)
+
+
+def reference_order(tensors: Sequence[tuple[str, str]]) -> list[int]:
+    """Indices of ``(name, dtype)`` pairs in the order the reference writer stores them."""
+    return sorted(range(len(tensors)), key=lambda i: (DTYPE_ORDER[tensors[i][1]], tensors[i][0]))
+
+
+def build_header(
+    tensors: Sequence[tuple[str, str, Sequence[int]]],
+    metadata: Mapping[str, str] | None = None,
+) -> tuple[bytes, list[tuple[int, int]]]:
+    """Header bytes (length prefix included) for tensors already in file order.
+
+    Returns the bytes and each tensor's ``(begin, end)`` in the data section.
+    """
+    parts: dict[str, object] = {}
+    if metadata is not None:
+        parts["__metadata__"] = dict(metadata)
+    spans = []
+    position = 0
+    for name, dtype, shape in tensors:
+        size = nbytes_of(dtype, shape)
+        if size is None:
+            raise InputError(f"tensor {name!r}: shape {list(shape)} of {dtype} is not a whole number of bytes")
+        parts[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [position, position + size]}
+        spans.append((position, position + size))
+        position += size
+    text = json.dumps(parts, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text, spans

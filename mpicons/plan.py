@@ -1,0 +1,509 @@
+"""The consolidation plan: pure and deterministic (no MPI, no I/O).
+
+From the :class:`~mpicons.scan.PieceTable` every rank computes the same plan: the tensor
+table with full shapes, an exact coverage check, the output files' layout (reference header
+bytes and tensor offsets) and which rows of which tensor each rank writes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from .errors import InputError
+from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
+from .scan import PieceTable
+
+#: What Hugging Face ``save_pretrained`` writes; transformers refuses files without it.
+OUTPUT_METADATA = {"format": "pt"}
+INDEX_NAME = "model.safetensors.index.json"
+#: Above this many grid cells a tensor's coverage is checked pairwise instead of on a grid.
+MAX_GRID_CELLS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A full tensor of the output: where it goes and its byte geometry.
+
+    ``storage`` is the shape in storage units of ``unit`` bytes (padded to the table's width);
+    it equals ``shape`` except for sub-byte dtypes, whose last dimension is counted in bytes.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    storage: tuple[int, ...]
+    unit: int
+    file: int = -1
+    offset: int = 0
+
+    @property
+    def rows(self) -> int:
+        return self.storage[0]
+
+    @property
+    def row_bytes(self) -> int:
+        return int(np.prod(self.storage[1:], dtype=np.int64)) * self.unit
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * self.row_bytes
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    name: str
+    header: bytes
+    size: int
+    tensors: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """Rows ``[row_begin, row_end)`` (dim 0, storage units) of one tensor, written by one rank."""
+
+    tensor: int
+    row_begin: int
+    row_end: int
+
+
+@dataclass
+class Plan:
+    """Everything the writers need; identical on every rank."""
+
+    source_files: list[str]
+    tensors: list[Tensor]
+    files: list[OutputFile]
+    # Non-empty, de-duplicated pieces sorted by tensor; tensor t owns rows piece_start[t]:piece_start[t+1].
+    piece_start: np.ndarray
+    piece_file: np.ndarray
+    piece_begin: np.ndarray
+    piece_shape: np.ndarray  # storage units
+    piece_offset: np.ndarray  # storage units
+    work: list[list[WorkItem]] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        """Tensor data bytes over all output files (the index's ``total_size``)."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def item_bytes(self, item: WorkItem) -> int:
+        return (item.row_end - item.row_begin) * self.tensors[item.tensor].row_bytes
+
+    def bytes_per_rank(self) -> list[int]:
+        return [sum(self.item_bytes(item) for item in items) for items in self.work]
+
+    def weight_map(self) -> dict[str, str]:
+        return {self.tensors[t].name: f.name for f in self.files for t in f.tensors}
+
+    def index(self) -> dict[str, object]:
+        """The ``model.safetensors.index.json`` content, as Hugging Face writes it."""
+        return {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map().items()))}
+
+
+# ---------------------------------------------------------------- mapping
+
+
+def parse_mapping(obj: object, source: str = "mapping") -> dict[str, str]:
+    """Tensor name → output file name, from torch's ``fqn_to_index_mapping`` or an HF index.
+
+    ``{name: index}`` names files ``model-IIIII-of-NNNNN.safetensors`` with NNNNN the largest index;
+    ``{"weight_map": {name: file}}`` names them directly (plain names only, no directories).
+    """
+    if isinstance(obj, dict) and isinstance(obj.get("weight_map"), dict):
+        result = {}
+        for name, file_name in obj["weight_map"].items():
+            if not isinstance(file_name, str) or not _plain_file_name(file_name):
+                raise InputError(f"{source}: tensor {name!r} maps to {file_name!r}, which is not a plain file name")
+            result[name] = file_name
+        return result
+    if isinstance(obj, dict) and obj and all(type(v) is int for v in obj.values()):
+        if min(obj.values()) < 1:
+            raise InputError(f"{source}: file indices start at 1 (got {min(obj.values())})")
+        count = max(obj.values())
+        return {name: output_name(index, count) for name, index in obj.items()}
+    raise InputError(f"{source}: expected {{tensor: file index}} or a model.safetensors.index.json with a weight_map")
+
+
+def _plain_file_name(name: str) -> bool:
+    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+
+
+def output_name(index: int, count: int) -> str:
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+# ---------------------------------------------------------------- plan
+
+
+def build_plan(
+    table: PieceTable,
+    ranks: int,
+    *,
+    mapping: Mapping[str, str] | None = None,
+    split: str = "bytes",
+) -> Plan:
+    """The full plan for ``ranks`` writers; raises InputError naming the tensor and files on bad input."""
+    if table.num_pieces == 0:
+        raise InputError("the checkpoint holds no tensors")
+    order = np.argsort(table.piece_tensor, kind="stable")
+    tensor = table.piece_tensor[order]
+    dtype = table.piece_dtype[order]
+    ndim = table.piece_ndim[order]
+    shape = table.piece_shape[order]
+    offset = table.piece_offset[order]
+    files = table.piece_file[order]
+    begin = table.piece_begin[order]
+    num_tensors = len(table.names)
+    starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
+    first = starts[:-1]
+
+    _check_agreement(table, "dtype", dtype, tensor, first, files, lambda v: DTYPES[v].name)
+    _check_agreement(table, "number of dimensions", ndim, tensor, first, files, int)
+
+    # Identical replicas (same tensor, offsets and shape) count once: keep the first file's copy.
+    keys = np.concatenate([tensor[:, None].astype(np.int64), offset, shape], axis=1)
+    _, keep = np.unique(keys, axis=0, return_index=True)
+    keep.sort()
+    tensor, dtype, ndim, shape, offset, files, begin = (
+        a[keep] for a in (tensor, dtype, ndim, shape, offset, files, begin)
+    )
+    starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
+    first = starts[:-1]
+
+    full = np.maximum.reduceat(offset + shape, first, axis=0)
+    empty_piece = (shape == 0).any(axis=1)
+    # A tensor whose every piece is empty has size 0 along some dimension; reduceat gave that.
+    tensors = []
+    for t in range(num_tensors):
+        rank = int(ndim[first[t]])
+        tensors.append(
+            Tensor(
+                name=table.names[t],
+                dtype=DTYPES[int(dtype[first[t]])].name,
+                shape=tuple(int(x) for x in full[t, :rank]),
+                storage=tuple(int(x) for x in full[t]),
+                unit=0,
+            )
+        )
+    _check_coverage(table, tensors, full, starts, shape, offset, files, empty_piece)
+    tensors, shape, offset = _to_storage_units(table, tensors, tensor, shape, offset, files)
+
+    nonempty = ~empty_piece
+    tensor, shape, offset, files, begin = (a[nonempty] for a in (tensor, shape, offset, files, begin))
+    starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
+
+    assignment = _assign_files(table, tensors, mapping, table.piece_tensor, table.piece_file)
+    tensors, out_files = _layout(tensors, assignment)
+    plan = Plan(
+        source_files=list(table.files),
+        tensors=tensors,
+        files=out_files,
+        piece_start=starts,
+        piece_file=files,
+        piece_begin=begin,
+        piece_shape=shape,
+        piece_offset=offset,
+    )
+    try:
+        policy = SPLITS[split]
+    except KeyError:
+        raise InputError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})") from None
+    plan.work = policy(plan, ranks)
+    return plan
+
+
+def _check_agreement(
+    table: PieceTable,
+    what: str,
+    values: np.ndarray,
+    tensor: np.ndarray,
+    first: np.ndarray,
+    files: np.ndarray,
+    show: Callable[[int], object],
+) -> None:
+    bad = np.nonzero(values != values[first[tensor]])[0]
+    if len(bad):
+        i = bad[0]
+        j = first[tensor[i]]
+        raise InputError(
+            f"tensor {table.names[tensor[i]]!r}: pieces disagree on {what}: {show(int(values[j]))} in "
+            f"{table.files[files[j]]} but {show(int(values[i]))} in {table.files[files[i]]}"
+        )
+
+
+def _region(low: Sequence[int], high: Sequence[int], rank: int) -> str:
+    return "[" + ", ".join(f"{int(a)}:{int(b)}" for a, b in zip(low[:rank], high[:rank])) + "]"
+
+
+def _check_coverage(
+    table: PieceTable,
+    tensors: list[Tensor],
+    full: np.ndarray,
+    starts: np.ndarray,
+    shape: np.ndarray,
+    offset: np.ndarray,
+    files: np.ndarray,
+    empty_piece: np.ndarray,
+) -> None:
+    """Every element of every tensor covered exactly once, else an error naming the region and files."""
+    volume = np.where(empty_piece, 0, np.prod(shape, axis=1))
+    covered = np.add.reduceat(volume, starts[:-1])
+    expected = np.prod(full, axis=1)
+    # Fast path: one piece that is the whole tensor.
+    count = np.diff(starts)
+    trivial = (count == 1) & (covered == expected)
+    for t in np.nonzero(~trivial)[0]:
+        lo, hi = starts[t], starts[t + 1]
+        keep = ~empty_piece[lo:hi]
+        _check_one(
+            table,
+            tensors[t],
+            full[t],
+            offset[lo:hi][keep],
+            shape[lo:hi][keep],
+            files[lo:hi][keep],
+            int(covered[t]),
+            int(expected[t]),
+        )
+
+
+def _check_one(
+    table: PieceTable,
+    tensor: Tensor,
+    full: np.ndarray,
+    offset: np.ndarray,
+    shape: np.ndarray,
+    files: np.ndarray,
+    covered: int,
+    expected: int,
+) -> None:
+    rank = max(1, len(tensor.shape))
+    if expected == 0:
+        return
+    where = f"tensor {tensor.name!r} (shape {list(tensor.shape)})"
+    if len(offset) == 0:
+        raise InputError(f"{where}: no piece holds any data")
+    end = offset + shape
+    cuts = [np.unique(np.concatenate(([0, full[d]], offset[:, d], end[:, d]))) for d in range(rank)]
+    grid = [len(c) - 1 for c in cuts]
+    if int(np.prod(grid, dtype=np.int64)) > MAX_GRID_CELLS:
+        _check_pairwise(table, where, offset, shape, files, covered, expected, rank)
+        return
+    low = np.stack([np.searchsorted(cuts[d], offset[:, d]) for d in range(rank)], axis=1)
+    high = np.stack([np.searchsorted(cuts[d], end[:, d]) for d in range(rank)], axis=1)
+    diff = np.zeros([g + 1 for g in grid], dtype=np.int32)
+    for corner in itertools.product((0, 1), repeat=rank):
+        index = tuple(np.where(corner[d], high[:, d], low[:, d]) for d in range(rank))
+        np.add.at(diff, index, -1 if sum(corner) % 2 else 1)
+    for d in range(rank):
+        diff = np.cumsum(diff, axis=d)
+    counts = diff[tuple(slice(0, g) for g in grid)]
+    bad = np.argwhere(counts != 1)
+    if len(bad) == 0:
+        return
+    cell = bad[0]
+    region = _region([cuts[d][cell[d]] for d in range(rank)], [cuts[d][cell[d] + 1] for d in range(rank)], rank)
+    if counts[tuple(cell)] == 0:
+        raise InputError(f"{where}: hole: no piece covers region {region} ({expected - covered} elements missing overall)")
+    inside = np.all((low <= cell) & (cell < high), axis=1)
+    holders = ", ".join(
+        f"{table.files[f]} at {_region(o, o + s, rank)}" for f, o, s in zip(files[inside], offset[inside], shape[inside])
+    )
+    raise InputError(f"{where}: overlap: region {region} is covered by {int(inside.sum())} pieces: {holders}")
+
+
+def _check_pairwise(
+    table: PieceTable,
+    where: str,
+    offset: np.ndarray,
+    shape: np.ndarray,
+    files: np.ndarray,
+    covered: int,
+    expected: int,
+    rank: int,
+) -> None:
+    """Overlap check for irregular tilings too fine for a grid: blockwise pairwise box tests."""
+    end = offset + shape
+    block = 512
+    for i0 in range(0, len(offset), block):
+        a_lo, a_hi = offset[i0 : i0 + block, None, :rank], end[i0 : i0 + block, None, :rank]
+        hit = np.all((a_lo < end[None, :, :rank]) & (offset[None, :, :rank] < a_hi), axis=2)
+        hit[np.arange(hit.shape[0]), np.arange(i0, i0 + hit.shape[0])] = False
+        pairs = np.argwhere(hit)
+        if len(pairs):
+            i, j = i0 + pairs[0][0], pairs[0][1]
+            raise InputError(
+                f"{where}: overlap: piece {_region(offset[i], end[i], rank)} in {table.files[files[i]]} overlaps "
+                f"piece {_region(offset[j], end[j], rank)} in {table.files[files[j]]}"
+            )
+    if covered != expected:
+        raise InputError(f"{where}: hole: pieces cover {covered} of {expected} elements")
+
+
+def _to_storage_units(
+    table: PieceTable,
+    tensors: list[Tensor],
+    tensor: np.ndarray,
+    shape: np.ndarray,
+    offset: np.ndarray,
+    files: np.ndarray,
+) -> tuple[list[Tensor], np.ndarray, np.ndarray]:
+    """Express geometry in whole bytes: sub-byte dtypes count their last dimension in bytes."""
+    shape, offset = shape.copy(), offset.copy()
+    result = []
+    for t, info in enumerate(tensors):
+        bits = DTYPE_BY_NAME[info.dtype].bits
+        if bits % 8 == 0:
+            result.append(Tensor(info.name, info.dtype, info.shape, info.storage, bits // 8))
+            continue
+        last = len(info.shape) - 1
+        rows = np.nonzero(tensor == t)[0]
+        values = np.concatenate(([info.storage[last]], shape[rows, last], offset[rows, last])) * bits
+        if last < 0 or np.any(values % 8):
+            raise InputError(
+                f"tensor {info.name!r}: {info.dtype} pieces are not cut on byte boundaries of the last dimension"
+            )
+        shape[rows, last] = shape[rows, last] * bits // 8
+        offset[rows, last] = offset[rows, last] * bits // 8
+        storage = list(info.storage)
+        storage[last] = storage[last] * bits // 8
+        result.append(Tensor(info.name, info.dtype, info.shape, tuple(storage), 1))
+    return result, shape, offset
+
+
+def _assign_files(
+    table: PieceTable,
+    tensors: list[Tensor],
+    mapping: Mapping[str, str] | None,
+    piece_tensor: np.ndarray,
+    piece_file: np.ndarray,
+) -> list[str]:
+    """Output file name of each tensor: from the mapping, or from the DCP shard names."""
+    names = [t.name for t in tensors]
+    if mapping is not None:
+        missing = [n for n in names if n not in mapping]
+        if missing:
+            raise InputError(
+                f"mapping has no entry for tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            )
+        extra = sorted(set(mapping) - set(names))
+        if extra:
+            raise InputError(
+                f"mapping names tensor {extra[0]!r}, which the checkpoint does not hold"
+                + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+            )
+        return [mapping[n] for n in names]
+    dcp_named = table.file_out_index >= 0
+    if dcp_named.any() and not dcp_named.all():
+        stray = table.files[int(np.nonzero(~dcp_named)[0][0])]
+        raise InputError(f"{stray}: not a DCP shard file (shard-RRRRR-model-IIIII-of-NNNNN.safetensors) among DCP shards")
+    if not dcp_named.any():
+        # Plain safetensors files: each tensor stays in the file it came from.
+        per_tensor = _per_tensor_source(table, len(tensors), piece_tensor, piece_file, lambda f: table.files[f])
+        return per_tensor
+    counts = np.unique(table.file_out_count)
+    if len(counts) != 1:
+        raise InputError(f"shard files disagree on the number of output files: {', '.join(map(str, counts))}")
+    count = int(counts[0])
+    return _per_tensor_source(
+        table, len(tensors), piece_tensor, piece_file, lambda f: output_name(int(table.file_out_index[f]), count)
+    )
+
+
+def _per_tensor_source(
+    table: PieceTable, num_tensors: int, piece_tensor: np.ndarray, piece_file: np.ndarray, name_of: Callable[[int], str]
+) -> list[str]:
+    order = np.lexsort((piece_file, piece_tensor))
+    tensor, files = piece_tensor[order], piece_file[order]
+    starts = np.searchsorted(tensor, np.arange(num_tensors))
+    chosen = [name_of(int(files[s])) for s in starts]
+    file_targets = [name_of(f) for f in range(len(table.files))]
+    codes = {name: i for i, name in enumerate(sorted(set(file_targets)))}
+    targets = np.array([codes[name] for name in file_targets], dtype=np.int64)
+    differs = np.nonzero(targets[files] != targets[files[starts[tensor]]])[0]
+    if len(differs):
+        i = differs[0]
+        j = starts[tensor[i]]
+        raise InputError(
+            f"tensor {table.names[tensor[i]]!r} has pieces destined for {name_of(int(files[j]))} "
+            f"({table.files[files[j]]}) and {name_of(int(files[i]))} ({table.files[files[i]]})"
+        )
+    return chosen
+
+
+def _layout(tensors: list[Tensor], assignment: list[str]) -> tuple[list[Tensor], list[OutputFile]]:
+    """Reference-order headers and tensor offsets for every output file (files sorted by name)."""
+    by_file: dict[str, list[int]] = {}
+    for t, name in enumerate(assignment):
+        by_file.setdefault(name, []).append(t)
+    placed = list(tensors)
+    files = []
+    for file_index, name in enumerate(sorted(by_file)):
+        members = sorted(by_file[name], key=lambda t: (DTYPE_ORDER[tensors[t].dtype], tensors[t].name))
+        header, spans = build_header(
+            [(tensors[t].name, tensors[t].dtype, tensors[t].shape) for t in members], OUTPUT_METADATA
+        )
+        for t, (start, _) in zip(members, spans):
+            info = tensors[t]
+            placed[t] = Tensor(info.name, info.dtype, info.shape, info.storage, info.unit, file_index, len(header) + start)
+        files.append(OutputFile(name, header, len(header) + (spans[-1][1] if spans else 0), tuple(members)))
+    return placed, files
+
+
+
+
+# ---------------------------------------------------------------- work split policies
+
+
+def split_by_files(plan: Plan, ranks: int) -> list[list[WorkItem]]:
+    """Whole output files dealt round-robin to ranks (torch's policy; idle ranks when files < ranks)."""
+    work: list[list[WorkItem]] = [[] for _ in range(ranks)]
+    for index, out in enumerate(plan.files):
+        work[index % ranks].extend(WorkItem(t, 0, plan.tensors[t].rows) for t in out.tensors if plan.tensors[t].nbytes)
+    return work
+
+
+def split_by_bytes(plan: Plan, ranks: int) -> list[list[WorkItem]]:
+    """Equal byte ranges of the concatenated output data, cut at row boundaries.
+
+    Each rank gets one contiguous stretch of the output, so max/mean bytes per rank stays
+    near 1 whatever the number and sizes of files (up to one row of the cut tensors).
+    """
+    ordered = [t for out in plan.files for t in out.tensors if plan.tensors[t].nbytes]
+    sizes = np.array([plan.tensors[t].nbytes for t in ordered], dtype=np.int64)
+    ends = np.cumsum(sizes)
+    begins = ends - sizes
+    total = int(ends[-1]) if len(ends) else 0
+    # Cut points in bytes, each moved to the nearest row boundary of the tensor it falls in.
+    cuts = [0]
+    for k in range(1, ranks):
+        target = total * k // ranks
+        i = int(np.searchsorted(ends, target, side="right"))
+        if i >= len(ordered):
+            cuts.append(total)
+            continue
+        row_bytes = plan.tensors[ordered[i]].row_bytes
+        rows = round((target - int(begins[i])) / row_bytes)
+        cuts.append(max(cuts[-1], int(begins[i]) + rows * row_bytes))
+    cuts.append(total)
+    work: list[list[WorkItem]] = [[] for _ in range(ranks)]
+    for rank in range(ranks):
+        low, high = cuts[rank], cuts[rank + 1]
+        if low >= high:
+            continue
+        first = int(np.searchsorted(ends, low, side="right"))
+        last = int(np.searchsorted(begins, high, side="left"))
+        for i in range(first, last):
+            info = plan.tensors[ordered[i]]
+            row_low = max(0, (low - int(begins[i])) // info.row_bytes)
+            row_high = min(info.rows, -(-(high - int(begins[i])) // info.row_bytes))
+            if row_high > row_low:
+                work[rank].append(WorkItem(ordered[i], int(row_low), int(row_high)))
+    return work
+
+
+SPLITS: dict[str, Callable[[Plan, int], list[list[WorkItem]]]] = {"bytes": split_by_bytes, "files": split_by_files}

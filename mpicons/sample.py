@@ -1,0 +1,222 @@
+"""A built-in sample: a small Llama-shaped model saved the way torch's DCP HF writer saves it.
+
+Training ranks form a ``dp × tp`` mesh. Tensors are cut the ways real trainers cut them:
+rows over every rank (FSDP), nested rows (colwise TP + FSDP), a 2-D grid (rowwise TP + FSDP),
+columns over every rank, a 3-D expert tensor cut along its last dim, replicated norms written
+once, and small int/bool buffers with empty pieces. Data is deterministic per tensor name, so
+the expected full tensors can be regenerated at any time (:func:`full_tensor`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
+import numpy as np
+
+from .format import DTYPE_BY_NAME, build_header
+from .parallel import Comm, agree
+from .plan import output_name
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
+
+
+@dataclass(frozen=True)
+class SampleConfig:
+    """Model and mesh sizes of the sample; ``scale`` multiplies the matrix sizes."""
+
+    layers: int = 4
+    hidden: int = 96
+    intermediate: int = 248
+    vocab: int = 1003
+    kv_dim: int = 24
+    experts: int = 4
+    dp: int = 2
+    tp: int = 2
+    files: int = 2
+    dtype: str = "BF16"
+    seed: int = 0
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp
+
+    @classmethod
+    def sized(cls, target_bytes: int, **kwargs: object) -> "SampleConfig":
+        """A config whose checkpoint is roughly ``target_bytes`` (hidden size grown to fit)."""
+        base = cls(**kwargs)  # type: ignore[arg-type]
+        per_layer_unit = 4 * base.hidden * base.hidden + 3 * base.hidden * base.intermediate
+        factor = max(1.0, (target_bytes / 2 / max(1, base.layers * per_layer_unit)) ** 0.5)
+        hidden = int(base.hidden * factor) // 8 * 8
+        return cls(**{**kwargs, "hidden": hidden, "intermediate": int(hidden * 8 / 3) // 8 * 8 + 8, "kv_dim": hidden // 4})  # type: ignore[arg-type]
+
+
+def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
+    """torch.chunk's piece ``index`` of ``size`` in ``parts``: (start, length), possibly empty."""
+    step = -(-size // parts) if size else 0
+    start = min(size, index * step)
+    return start, min(size, start + step) - start
+
+
+def _rows(parts_of: Callable[[int, int], tuple[int, int]]) -> Callable[[tuple[int, ...], int, int], Box | None]:
+    def place(shape: tuple[int, ...], dp: int, tp: int) -> Box | None:
+        start, length = parts_of(dp, tp)
+        return (start,) + (0,) * (len(shape) - 1), (length,) + shape[1:]
+
+    return place
+
+
+def _placements(c: SampleConfig) -> dict[str, Callable[[tuple[int, ...], int, int], Box | None]]:
+    """How each kind of tensor is cut: (shape, dp rank, tp rank) → the piece that rank saves."""
+
+    def all_rows(shape: tuple[int, ...], dp: int, tp: int) -> Box:
+        start, length = _chunk(shape[0], c.world, dp * c.tp + tp)
+        return (start,) + (0,) * (len(shape) - 1), (length,) + shape[1:]
+
+    def nested_rows(shape: tuple[int, ...], dp: int, tp: int) -> Box:
+        outer, outer_len = _chunk(shape[0], c.tp, tp)
+        inner, length = _chunk(outer_len, c.dp, dp)
+        return (outer + inner, 0), (length, shape[1])
+
+    def grid(shape: tuple[int, ...], dp: int, tp: int) -> Box:
+        row, rows = _chunk(shape[0], c.dp, dp)
+        col, cols = _chunk(shape[1], c.tp, tp)
+        return (row, col), (rows, cols)
+
+    def all_cols(shape: tuple[int, ...], dp: int, tp: int) -> Box:
+        col, cols = _chunk(shape[1], c.world, dp * c.tp + tp)
+        return (0, col), (shape[0], cols)
+
+    def experts(shape: tuple[int, ...], dp: int, tp: int) -> Box:
+        row, rows = _chunk(shape[0], c.dp, dp)
+        last, lasts = _chunk(shape[2], c.tp, tp)
+        return (row, 0, last), (rows, shape[1], lasts)
+
+    def norm(shape: tuple[int, ...], dp: int, tp: int) -> Box | None:
+        if tp:  # replicated over tp: saved once
+            return None
+        start, length = _chunk(shape[0], c.dp, dp)
+        return (start,), (length,)
+
+    def replicated(shape: tuple[int, ...], dp: int, tp: int) -> Box | None:
+        return ((0,) * len(shape), shape) if dp == 0 and tp == 0 else None
+
+    return {
+        "all_rows": all_rows,
+        "nested_rows": nested_rows,
+        "grid": grid,
+        "all_cols": all_cols,
+        "experts": experts,
+        "norm": norm,
+        "replicated": replicated,
+    }
+
+
+def tensor_specs(c: SampleConfig) -> list[tuple[str, str, tuple[int, ...], str, int]]:
+    """(name, dtype, full shape, placement, output file index from 1) for every tensor of the sample."""
+    specs = [("model.embed_tokens.weight", c.dtype, (c.vocab, c.hidden), "all_rows", 1)]
+    for layer in range(c.layers):
+        index = 1 + layer * c.files // c.layers
+        p = f"model.layers.{layer}."
+        specs += [
+            (p + "self_attn.q_proj.weight", c.dtype, (c.hidden, c.hidden), "nested_rows", index),
+            (p + "self_attn.k_proj.weight", c.dtype, (c.kv_dim, c.hidden), "nested_rows", index),
+            (p + "self_attn.v_proj.weight", c.dtype, (c.kv_dim, c.hidden), "nested_rows", index),
+            (p + "self_attn.o_proj.weight", c.dtype, (c.hidden, c.hidden), "grid", index),
+            (p + "mlp.gate_proj.weight", c.dtype, (c.intermediate, c.hidden), "nested_rows", index),
+            (p + "mlp.up_proj.weight", c.dtype, (c.intermediate, c.hidden), "nested_rows", index),
+            (p + "mlp.down_proj.weight", c.dtype, (c.hidden, c.intermediate), "grid", index),
+            (p + "input_layernorm.weight", "F32", (c.hidden,), "norm", index),
+            (p + "post_attention_layernorm.weight", "F32", (c.hidden,), "norm", index),
+        ]
+    last = c.files
+    specs += [
+        ("model.norm.weight", "F32", (c.hidden,), "norm", last),
+        ("lm_head.weight", c.dtype, (c.vocab, c.hidden), "all_cols", last),
+        ("moe.experts.w1", "F16", (c.experts, c.hidden // 2, 11), "experts", last),
+        ("moe.router.bias", "F64", (c.experts,), "replicated", last),
+        ("buffers.step", "I64", (c.world - 1,), "all_rows", 1),
+        ("buffers.position_ids", "I32", (1, 64), "replicated", 1),
+        ("buffers.token_mask", "BOOL", (c.world + 1,), "all_rows", last),
+        ("buffers.codes", "U8", (3, 5), "grid", last),
+    ]
+    return specs
+
+
+def full_tensor(c: SampleConfig, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """The sample's full value of tensor ``name`` (deterministic in the config's seed and the name)."""
+    rng = np.random.default_rng([c.seed, zlib.crc32(name.encode())])
+    count = int(np.prod(shape, dtype=np.int64))
+    kind = DTYPE_BY_NAME[dtype]
+    if dtype == "BOOL":
+        values = rng.random(count, dtype=np.float32) < 0.5
+    elif kind.is_float:
+        values = ((rng.random(count, dtype=np.float32) - 0.5) * 0.2).astype(np.dtype(kind.numpy))
+    else:
+        info = np.iinfo(np.dtype(kind.numpy))
+        values = rng.integers(info.min, info.max, count, dtype=np.dtype(kind.numpy), endpoint=True)
+    return values.reshape(shape)
+
+
+def shard_name(train_rank: int, index: int, count: int) -> str:
+    return f"shard-{train_rank + 1:05d}-model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def _write_shard(path: str, pieces: list[tuple[str, str, np.ndarray, tuple[int, ...]]]) -> None:
+    """One DCP shard file: tensors in insertion order, sharding info in the metadata (as torch writes)."""
+    info = {name: {"saved_offsets": list(offsets)} for name, _, _, offsets in pieces}
+    metadata = {"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps(info)}
+    header, _ = build_header([(name, dtype, data.shape) for name, dtype, data, _ in pieces], metadata)
+    with open(path, "wb") as handle:
+        handle.write(header)
+        for _, _, data, _ in pieces:
+            handle.write(np.ascontiguousarray(data).tobytes())
+
+
+def _pieces_of_file(c: SampleConfig, index: int) -> Iterator[tuple[int, list[tuple[str, str, np.ndarray, tuple[int, ...]]]]]:
+    placements = _placements(c)
+    members = [s for s in tensor_specs(c) if s[4] == index]
+    per_rank: dict[int, list[tuple[str, str, np.ndarray, tuple[int, ...]]]] = {r: [] for r in range(c.world)}
+    for name, dtype, shape, placement, _ in members:
+        full = full_tensor(c, name, dtype, shape)
+        for dp in range(c.dp):
+            for tp in range(c.tp):
+                box = placements[placement](shape, dp, tp)
+                if box is None:
+                    continue
+                offsets, size = box
+                region = tuple(slice(o, o + s) for o, s in zip(offsets, size))
+                per_rank[dp * c.tp + tp].append((name, dtype, full[region], offsets))
+    yield from per_rank.items()
+
+
+def write_sample(directory: str | os.PathLike[str], config: SampleConfig | None = None, comm: Comm | None = None) -> list[str]:
+    """Write the sample sharded checkpoint into ``directory`` (split over ``comm`` if given).
+
+    Returns the shard file names. With a communicator, output files are dealt to ranks.
+    """
+    c = config or SampleConfig()
+    directory = os.fspath(directory)
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+
+    def work() -> None:
+        os.makedirs(directory, exist_ok=True)
+        for index in range(1 + rank, c.files + 1, size):
+            for train_rank, pieces in _pieces_of_file(c, index):
+                if pieces:
+                    _write_shard(os.path.join(directory, shard_name(train_rank, index, c.files)), pieces)
+
+    if comm is None:
+        work()
+    else:
+        agree(comm, work)
+    return sorted(n for n in os.listdir(directory) if n.startswith("shard-"))
+
+
+def expected_mapping(c: SampleConfig) -> dict[str, str]:
+    """Tensor → output file name the consolidation of the sample must produce."""
+    return {name: output_name(index, c.files) for name, _, _, _, index in tensor_specs(c)}

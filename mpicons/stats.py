@@ -1,0 +1,118 @@
+"""Per-phase timings and bytes, reduced over the ranks (min / mean / max)."""
+
+from __future__ import annotations
+
+import resource
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Iterator
+
+import numpy as np
+from mpi4py import MPI
+
+from .parallel import Comm
+
+PHASES = ("scan", "plan", "write", "finalize")
+
+
+class PhaseClock:
+    """Wall-clock seconds spent by this rank in each phase."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.start = time.perf_counter()
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - began
+
+    def total(self) -> float:
+        return time.perf_counter() - self.start
+
+
+@dataclass(frozen=True)
+class Spread:
+    min: float
+    mean: float
+    max: float
+
+
+@dataclass(frozen=True)
+class Stats:
+    """The job's timing report, identical on every rank."""
+
+    ranks: int
+    phases: dict[str, Spread]
+    elapsed: Spread
+    bytes_per_rank: Spread
+    peak_rss_mb: Spread
+    total_bytes: int
+    files: int
+    tensors: int
+
+    @property
+    def imbalance(self) -> float:
+        """max / mean bytes written per rank (1.0 is perfect balance)."""
+        return self.bytes_per_rank.max / self.bytes_per_rank.mean if self.bytes_per_rank.mean else 1.0
+
+    @property
+    def rate_gbs(self) -> float:
+        """Output bytes per second over the whole job (slowest rank), in GB/s."""
+        return self.total_bytes / self.elapsed.max / 1e9 if self.elapsed.max else 0.0
+
+    @property
+    def write_rate_gbs(self) -> float:
+        write = self.phases["write"].max
+        return self.total_bytes / write / 1e9 if write else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        result = asdict(self)
+        result.update(imbalance=self.imbalance, rate_gbs=self.rate_gbs, write_rate_gbs=self.write_rate_gbs)
+        return result
+
+    def table(self) -> str:
+        lines = [
+            f"mpicons: {self.files} files, {self.tensors} tensors, {self.total_bytes / 1e9:.3f} GB "
+            f"on {self.ranks} rank{'s' if self.ranks != 1 else ''}",
+            f"{'phase':<10}{'min s':>10}{'mean s':>10}{'max s':>10}",
+        ]
+        for name, spread in [*self.phases.items(), ("total", self.elapsed)]:
+            lines.append(f"{name:<10}{spread.min:>10.3f}{spread.mean:>10.3f}{spread.max:>10.3f}")
+        lines.append(
+            f"rate {self.rate_gbs:.2f} GB/s overall, {self.write_rate_gbs:.2f} GB/s writing; bytes/rank max/mean "
+            f"{self.imbalance:.2f}; peak RSS/rank max {self.peak_rss_mb.max:.0f} MB"
+        )
+        return "\n".join(lines)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MB (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reduce_stats(comm: Comm, clock: PhaseClock, bytes_written: int, files: int, tensors: int, total_bytes: int) -> Stats:
+    """Allreduce this rank's phase times, bytes and memory into min/mean/max over ``comm``."""
+    local = np.array(
+        [clock.seconds.get(p, 0.0) for p in PHASES] + [clock.total(), float(bytes_written), peak_rss_mb()],
+        dtype=np.float64,
+    )
+    low, high, total = np.empty_like(local), np.empty_like(local), np.empty_like(local)
+    comm.Allreduce(local, low, op=MPI.MIN)
+    comm.Allreduce(local, high, op=MPI.MAX)
+    comm.Allreduce(local, total, op=MPI.SUM)
+    spreads = [Spread(float(a), float(s / comm.size), float(b)) for a, s, b in zip(low, total, high)]
+    return Stats(
+        ranks=comm.size,
+        phases=dict(zip(PHASES, spreads[: len(PHASES)])),
+        elapsed=spreads[len(PHASES)],
+        bytes_per_rank=spreads[len(PHASES) + 1],
+        peak_rss_mb=spreads[len(PHASES) + 2],
+        total_bytes=total_bytes,
+        files=files,
+        tensors=tensors,
+    )
