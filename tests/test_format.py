@@ -1,0 +1,134 @@
+"""safetensors format: header bytes identical to the reference serializer, strict parsing."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import SPEC_DTYPE, reference_bytes
+from mpicons.errors import InputError
+from mpicons.format import DTYPE_BY_NAME, DTYPES, build_header, nbytes_of, parse_header, reference_order
+
+WHOLE_BYTE_DTYPES = [d.name for d in DTYPES if d.bits % 8 == 0]
+
+names = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), min_size=1, max_size=12).filter(
+    lambda n: n != "__metadata__"
+)
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=3)
+
+
+@st.composite
+def tensor_sets(draw):
+    chosen = draw(st.dictionaries(names, st.tuples(st.sampled_from(WHOLE_BYTE_DTYPES + ["F4"]), shapes), min_size=1, max_size=8))
+    result = {}
+    for name, (dtype, shape) in chosen.items():
+        if dtype == "F4":
+            shape = shape[:-1] + [2 * (shape[-1] if shape else 1)] if shape else [2]
+        size = nbytes_of(dtype, shape)
+        result[name] = (dtype, shape, bytes(np.random.default_rng(len(name)).integers(0, 256, size, dtype=np.uint8)))
+    return result
+
+
+def _mpicons_bytes(tensors):
+    items = [(n, d, s) for n, (d, s, _) in tensors.items()]
+    order = reference_order([(n, d) for n, d, _ in items])
+    header, _ = build_header([items[i] for i in order], {"format": "pt"})
+    return header + b"".join(tensors[items[i][0]][2] for i in order)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tensor_sets())
+def test_layout_is_byte_identical_to_reference_serializer(tensors):
+    assert _mpicons_bytes(tensors) == reference_bytes(tensors)
+
+
+def test_every_dtype_round_trips():
+    tensors = {f"t.{d.name}": (d.name, [2, 4], bytes(range(nbytes_of(d.name, [2, 4])))) for d in DTYPES if d.name in SPEC_DTYPE or d.name == "F4"}
+    blob = reference_bytes(tensors)
+    (length,) = struct.unpack("<Q", blob[:8])
+    header = parse_header(blob[8 : 8 + length], len(blob))
+    assert {e.name: (e.dtype, list(e.shape)) for e in header.tensors} == {n: (d, s) for n, (d, s, _) in tensors.items()}
+    assert header.metadata == {"format": "pt"}
+    assert _mpicons_bytes(tensors) == blob
+
+
+def test_dtype_order_matches_reference():
+    tensors = {f"x{i}": (name, [1] if DTYPE_BY_NAME[name].bits % 8 == 0 else [2], b"") for i, name in enumerate(reversed(WHOLE_BYTE_DTYPES))}
+    tensors = {n: (d, s, bytes(nbytes_of(d, s))) for n, (d, s, _) in tensors.items()}
+    blob = reference_bytes(tensors)
+    (length,) = struct.unpack("<Q", blob[:8])
+    ref_order = [tensors[k][0] for k in json.loads(blob[8 : 8 + length]) if k != "__metadata__"]
+    assert ref_order == [d for d in WHOLE_BYTE_DTYPES]
+
+
+def _header(obj, pad=True):
+    text = json.dumps(obj).encode()
+    return text + (b" " * (-len(text) % 8) if pad else b"")
+
+
+@pytest.mark.parametrize(
+    "raw, data_len, message",
+    [
+        (b"\xff\xfe", 10, "not UTF-8"),
+        (b"{not json", 17, "not valid JSON"),
+        (b"[1, 2]", 14, "not a JSON object"),
+        (_header({"__metadata__": {"a": 1}}), 0, "__metadata__"),
+        (_header({"t": {"dtype": "F33", "shape": [1], "data_offsets": [0, 4]}}), 0, "unknown dtype"),
+        (_header({"t": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}), 0, "shape"),
+        (_header({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}), 0, "needs 8"),
+        (_header({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}), 0, "data_offsets"),
+        (
+            _header({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "b": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}),
+            0,
+            "overlaps",
+        ),
+        (
+            _header({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "b": {"dtype": "U8", "shape": [2], "data_offsets": [3, 5]}}),
+            0,
+            "gap",
+        ),
+        (_header({"t": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}), 3, "truncated"),
+        (b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"t":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}', 0, "twice"),
+        (_header({"t": {"dtype": "F4", "shape": [3], "data_offsets": [0, 1]}}), 0, "whole number of bytes"),
+    ],
+)
+def test_bad_headers_are_clean_errors(raw, data_len, message):
+    with pytest.raises(InputError, match=message) as caught:
+        parse_header(raw, 8 + len(raw) + data_len, "f.safetensors")
+    assert str(caught.value).startswith("f.safetensors: ")
+
+
+def test_file_length_must_match_header():
+    raw = _header({"t": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}})
+    parse_header(raw, 8 + len(raw) + 4)
+    with pytest.raises(InputError, match="trailing"):
+        parse_header(raw, 8 + len(raw) + 5)
+    with pytest.raises(InputError, match="truncated"):
+        parse_header(raw, 8 + len(raw) + 3)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.binary(max_size=300), st.integers(0, 1000))
+def test_any_bytes_parse_or_fail_cleanly(raw, extra):
+    try:
+        parse_header(raw, 8 + len(raw) + extra)
+    except InputError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(tensor_sets(), st.integers(0, 200), st.integers(0, 255))
+def test_mutated_headers_parse_or_fail_cleanly(tensors, position, value):
+    blob = bytearray(reference_bytes(tensors))
+    (length,) = struct.unpack("<Q", blob[:8])
+    if length:
+        blob[8 + position % length] = value
+    try:
+        parse_header(bytes(blob[8 : 8 + length]), len(blob))
+    except InputError:
+        pass
