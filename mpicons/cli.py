@@ -16,7 +16,7 @@ from . import __version__
 from .consolidation import DEFAULT_BUFFER_SIZE, ConsolidateResult, consolidate
 from .errors import InputError, MpiconsError
 from .io import BACKENDS
-from .parallel import Comm
+from .parallel import Comm, install_signal_handlers
 from .plan import SPLITS
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
@@ -93,6 +93,8 @@ def _report(args: argparse.Namespace, comm: Comm, result: ConsolidateResult) -> 
         if args.verbose:
             for rank, count in enumerate(result.plan.bytes_per_rank()):
                 print(f"  rank {rank}: {count} bytes in {len(result.plan.work[rank])} work items")
+            if result.hints:
+                print("  MPI-IO hints in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(result.hints.items())))
         print(f"mpicons: wrote {len(result.files)} files and {result.index_file} to {result.output_dir}")
     if args.stats_json:
         report = result.stats.to_dict()
@@ -137,6 +139,7 @@ def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     comm = MPI.COMM_WORLD if comm is None else comm
+    install_signal_handlers()
     try:
         return args.func(args, comm)
     except MpiconsError as exc:

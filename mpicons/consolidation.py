@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 from .copy import Executor
 from .errors import InputError, MpiconsError, WriteError
-from .io import SourceFiles, open_output
+from .io import MpiioOutput, SourceFiles, open_output
 from .parallel import Comm, agree
 from .plan import INDEX_NAME, Plan, build_plan, parse_mapping
 from .scan import scan
@@ -32,6 +32,7 @@ class ConsolidateResult:
     total_bytes: int
     stats: Stats
     plan: Plan
+    hints: dict[str, str]
 
 
 def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict[str, str]:
@@ -129,6 +130,7 @@ def consolidate(
         sources = SourceFiles(input_dir, plan.source_files)
         try:
             agree(comm, output.create)
+            in_effect = output.hints_in_effect() if isinstance(output, MpiioOutput) else {}
             written = agree(comm, lambda: _write_share(plan, sources, output, buffer_size, comm.rank))
             agree(comm, output.sync)
         except MpiconsError:
@@ -153,6 +155,7 @@ def consolidate(
         total_bytes=plan.total_bytes,
         stats=stats,
         plan=plan,
+        hints=in_effect,
     )
 
 

@@ -19,3 +19,7 @@ class WriteError(MpiconsError):
     """Reading or writing failed at run time (disk full, permissions, I/O error, signal)."""
 
     exit_code = 1
+
+
+class Interrupted(WriteError):
+    """A signal (SIGTERM, SIGUSR1 before a Slurm time limit, SIGINT) stopped the job."""

@@ -86,18 +86,26 @@ class PosixOutput:
         if self.comm.rank != 0:
             return
         for path, header, size in zip(self.paths, self.headers, self.sizes):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            except OSError as exc:
+                raise WriteError(f"{path}: cannot create output ({exc.strerror})") from None
             try:
                 _pwrite_all(fd, memoryview(header), 0, path)
                 os.ftruncate(fd, size)
                 os.fsync(fd)
+            except OSError as exc:
+                raise WriteError(f"{path}: cannot size output to {size} bytes ({exc.strerror})") from None
             finally:
                 os.close(fd)
 
     def _fd(self, file: int) -> int:
         fd = self._fds.get(file)
         if fd is None:
-            fd = self._fds[file] = os.open(self.paths[file], os.O_WRONLY)
+            try:
+                fd = self._fds[file] = os.open(self.paths[file], os.O_WRONLY)
+            except OSError as exc:
+                raise WriteError(f"{self.paths[file]}: cannot open output ({exc.strerror})") from None
         return fd
 
     def write(self, file: int, offset: int, data: memoryview) -> None:
@@ -161,11 +169,14 @@ class MpiioOutput:
             info.Set(key, value)
         try:
             for path, header, size in zip(self.paths, self.headers, self.sizes):
-                handle = MPI.File.Open(self.comm, path, MPI.MODE_WRONLY | MPI.MODE_CREATE, info)
-                self._files.append(handle)
-                handle.Set_size(size)
-                if self.comm.rank == 0:
-                    handle.Write_at(0, header)
+                try:
+                    handle = MPI.File.Open(self.comm, path, MPI.MODE_WRONLY | MPI.MODE_CREATE, info)
+                    self._files.append(handle)
+                    handle.Set_size(size)
+                    if self.comm.rank == 0:
+                        handle.Write_at(0, header)
+                except MPI.Exception as exc:
+                    raise WriteError(f"{path}: cannot create output with MPI-IO ({exc.Get_error_string()})") from None
         finally:
             info.Free()
 

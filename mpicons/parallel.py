@@ -8,12 +8,13 @@ first failure, naming the rank it happened on.
 
 from __future__ import annotations
 
+import signal
 import traceback
 from typing import Any, Callable, TypeVar
 
 from mpi4py import MPI
 
-from .errors import InputError, MpiconsError, WriteError
+from .errors import InputError, Interrupted, MpiconsError, WriteError
 
 Comm = MPI.Intracomm
 T = TypeVar("T")
@@ -21,9 +22,49 @@ T = TypeVar("T")
 _KINDS: dict[str, type[MpiconsError]] = {"input": InputError, "write": WriteError, "error": MpiconsError}
 
 
+class _Signals:
+    """Signals caught by :func:`install_signal_handlers`: raised inside a phase, else kept for the next one.
+
+    Raising only inside :func:`agree`'s protected call means a signal can never surface between
+    collectives, where it would leave the other ranks waiting.
+    """
+
+    pending: int | None = None
+    inside_phase: bool = False
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    _Signals.pending = signum
+    if _Signals.inside_phase:
+        _Signals.inside_phase = False
+        raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
+
+
+def _raise_pending() -> None:
+    if _Signals.pending is not None:
+        raise Interrupted(f"interrupted by {signal.Signals(_Signals.pending).name}")
+
+
+def install_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)) -> None:
+    """Turn termination signals into an agreed, clean failure (partial outputs removed).
+
+    Also ignores SIGXFSZ so that exceeding a file-size limit is an EFBIG error, not a silent kill.
+    """
+    for signum in signals:
+        signal.signal(signum, _on_signal)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
 def _outcome(fn: Callable[[], T]) -> tuple[tuple[str, str] | None, T | None]:
     try:
-        return None, fn()
+        try:
+            _Signals.inside_phase = True
+            _raise_pending()
+            value = fn()
+        finally:
+            _Signals.inside_phase = False
+        _raise_pending()
+        return None, value
     except InputError as exc:
         return ("input", str(exc)), None
     except MpiconsError as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -73,3 +74,97 @@ def test_cli_runs_without_a_launcher(tmp_path):
 
     report = json.loads((tmp_path / "s.json").read_text())
     assert report["ranks"] == 1 and set(report["phases"]) == {"scan", "plan", "write", "finalize"}
+
+
+INJECT = str(HERE / "scripts" / "inject.py")
+
+
+def _start(ranks: int, args: list[str], **kwargs) -> subprocess.Popen:
+    return subprocess.Popen(
+        [MPIEXEC, "-n", str(ranks), sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_signal_to_the_job_aborts_cleanly(tmp_path, signum):
+    """What Slurm does before a time limit: every rank stops, partial files are removed."""
+    out = tmp_path / "out"
+    proc = _start(3, [INJECT, "slow-write", "0", "--", "consolidate", str(INPUT), str(out), "--buffer-size", "64K", "--split", "files"])
+    deadline = time.monotonic() + 20
+    while not any(p.name.endswith(".mpicons-partial") for p in out.glob(".*")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode != 0, stderr  # the ranks exit 1; mpiexec may report the signal instead
+    assert f"interrupted by {signal.Signals(signum).name}" in stderr
+    assert list(out.iterdir()) == []
+
+
+def test_signal_to_one_rank_ends_all_ranks(tmp_path):
+    proc, seconds = mpirun(3, [INJECT, "signal-write", "1", "--", "consolidate", str(INPUT), str(tmp_path / "out")])
+    assert proc.returncode == 1
+    assert "[rank 1] interrupted by SIGTERM" in proc.stderr
+    assert list((tmp_path / "out").iterdir()) == []
+    assert seconds < 30
+
+
+def test_rank_killed_mid_write_ends_the_job_and_a_rerun_succeeds(tmp_path):
+    out = tmp_path / "out"
+    proc, seconds = mpirun(3, [INJECT, "kill-write", "2", "--", "consolidate", str(INPUT), str(out)])
+    assert proc.returncode != 0
+    assert seconds < 30
+    assert final_names(out) == []
+    rerun, _ = mpirun(3, ["-m", "mpicons", "consolidate", str(INPUT), str(out), "-q"])
+    assert rerun.returncode == 0, rerun.stderr
+    expected, mapping = fixture_expected("edge-3ranks")
+    assert_consolidated(out, expected, index_weight_map(mapping))
+
+
+def test_file_size_limit_is_a_clean_error(tmp_path):
+    out = tmp_path / "out"
+    proc, _ = mpirun(2, [INJECT, "fsize-limit", "0", "--", "consolidate", str(INPUT), str(out)])
+    assert proc.returncode == 1, proc.stderr
+    assert "File too large" in proc.stderr and "model-00001-of-00002.safetensors" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert list(out.iterdir()) == []
+
+
+def test_existing_outputs_are_kept_unless_forced(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"precious")
+    proc, _ = mpirun(2, ["-m", "mpicons", "consolidate", str(INPUT), str(out)])
+    assert proc.returncode == 2 and "already exists (use --force" in proc.stderr
+    assert (out / "model-00001-of-00002.safetensors").read_bytes() == b"precious"
+    proc, _ = mpirun(2, ["-m", "mpicons", "consolidate", str(INPUT), str(INPUT)])
+    assert proc.returncode == 2 and "output directory is the input directory" in proc.stderr
+    proc, _ = mpirun(2, ["-m", "mpicons", "consolidate", str(INPUT), str(out), "--force", "-q"])
+    assert proc.returncode == 0
+    assert (out / "model-00001-of-00002.safetensors").read_bytes() != b"precious"
+
+
+def test_read_only_output_directory_is_a_clean_error(tmp_path):
+    target = tmp_path / "ro"
+    target.mkdir()
+    mounted = False
+    if os.geteuid() == 0:  # root ignores permission bits: use a read-only mount if we may
+        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)], capture_output=True).returncode == 0
+        if not mounted:
+            pytest.skip("running as root without permission to mount a read-only file system")
+    else:
+        target.chmod(0o555)
+    try:
+        proc, _ = mpirun(2, ["-m", "mpicons", "consolidate", str(INPUT), str(target / "out")])
+        assert proc.returncode == 1, proc.stderr
+        assert "Read-only file system" in proc.stderr or "Permission denied" in proc.stderr
+        assert "Traceback" not in proc.stderr
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(target)], check=False)
+        else:
+            target.chmod(0o755)

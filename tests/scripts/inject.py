@@ -2,7 +2,7 @@
 
 Usage: inject.py FAULT RANK -- mpicons arguments...
 FAULT: ``write-oserror`` (an I/O error while writing), ``bug-after-write`` (an unexpected exception
-outside any agreed phase), ``hang-write`` (the rank sleeps instead of writing), ``kill-write``
+outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write), ``slow-write`` (every rank writes slowly), ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``kill-write``
 (the rank SIGKILLs itself mid-write).
 """
 
@@ -23,7 +23,19 @@ fault, victim = sys.argv[1], int(sys.argv[2])
 args = sys.argv[sys.argv.index("--") + 1 :]
 rank = MPI.COMM_WORLD.rank
 
-if rank == victim:
+if fault == "fsize-limit":  # every rank, after MPI is up: a 200 kB file-size limit
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY))
+elif fault == "slow-write":  # every rank: slow writes, so a signal can arrive mid-write
+    original_slow = mpicons.copy.Executor.write_item
+
+    def slow_write(self, item):
+        original_slow(self, item)
+        time.sleep(0.05)
+
+    mpicons.copy.Executor.write_item = slow_write
+elif rank == victim:
     if fault == "write-oserror":
         def failing_run(self, items):
             raise OSError(5, "Input/output error (injected)", "/injected/path")
