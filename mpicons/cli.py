@@ -58,6 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", type=parse_size, default=0, help="approximate checkpoint size, e.g. 1GB (default: small)")
     _add_job_options(demo)
     demo.set_defaults(func=_cmd_demo)
+
+    check = commands.add_parser("verify", help="check a consolidated checkpoint (files, index; values with --against)")
+    check.add_argument("output_dir", help="directory of model-IIIII-of-NNNNN.safetensors files and the index")
+    check.add_argument("--against", metavar="DIR", help="also compare every tensor with the sharded checkpoint in DIR")
+    check.add_argument("--buffer-size", type=parse_size, default=DEFAULT_BUFFER_SIZE, metavar="SIZE",
+                       help="memory per rank for comparing blocks (default: 32M)")
+    check.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    check.add_argument("-q", "--quiet", action="store_true", help="print only the problems")
+    check.set_defaults(func=_cmd_verify)
     return parser
 
 
@@ -69,6 +78,8 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--buffer-size", type=parse_size, default=DEFAULT_BUFFER_SIZE, metavar="SIZE",
                      help="memory per rank for assembling blocks (default: 32M)")
     cmd.add_argument("--force", action="store_true", help="overwrite existing output files")
+    cmd.add_argument("--progress", type=float, default=10.0, metavar="N",
+                     help="progress line every N seconds (a bar on a terminal); 0 turns it off (default: %(default)s)")
     cmd.add_argument("--stats-json", metavar="FILE", help="write the timing report as JSON")
     cmd.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     cmd.add_argument("-v", "--verbose", action="store_true", help="print per-rank detail")
@@ -82,6 +93,8 @@ def _job_kwargs(args: argparse.Namespace) -> dict[str, object]:
         buffer_size=args.buffer_size,
         hints=dict(args.hint),
         force=args.force,
+        progress=None if args.quiet or args.progress <= 0 else args.progress,
+        verbose=args.verbose,
     )
 
 
@@ -129,6 +142,28 @@ def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
     if comm.rank == 0 and not args.quiet:
         print(f"mpicons demo: {checked} tensors in {output} match the sample's full tensors bit for bit")
     return 0
+
+
+def _cmd_verify(args: argparse.Namespace, comm: Comm) -> int:
+    """Exit 0 when the checkpoint is sound, 1 when it is not (bad arguments raise InputError: exit 2)."""
+    from .verify import verify
+
+    report = verify(args.output_dir, against=args.against, comm=comm, buffer_size=args.buffer_size)
+    if comm.rank == 0:
+        for line in report.lines():
+            print(line)
+        if not args.quiet:
+            print(report.summary())
+        sys.stdout.flush()
+        if args.json:
+            try:
+                with open(args.json, "w", encoding="utf-8") as handle:
+                    json.dump(report.to_dict(), handle, indent=2)
+                    handle.write("\n")
+            except OSError as exc:
+                print(f"mpicons: error: {args.json}: cannot write the report ({exc.strerror})", file=sys.stderr, flush=True)
+                return 1
+    return 0 if report.ok else 1
 
 
 def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:

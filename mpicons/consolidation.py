@@ -13,6 +13,7 @@ from .copy import Executor
 from .errors import InputError, MpiconsError, WriteError
 from .io import MpiioOutput, SourceFiles, open_output
 from .parallel import Comm, agree
+from .progress import Progress
 from .plan import INDEX_NAME, Plan, build_plan, parse_mapping
 from .scan import scan
 from .stats import PhaseClock, Stats, reduce_stats
@@ -105,11 +106,14 @@ def consolidate(
     buffer_size: int = DEFAULT_BUFFER_SIZE,
     hints: Mapping[str, str] | None = None,
     force: bool = False,
+    progress: float | None = None,
+    verbose: bool = False,
 ) -> ConsolidateResult:
     """Consolidate the sharded checkpoint in ``input_dir`` into a Hugging Face checkpoint in ``output_dir``.
 
     Collective over ``comm`` (default ``MPI.COMM_WORLD``): every rank of it must call this with the
-    same arguments. Raises :class:`~mpicons.errors.InputError` for a bad checkpoint or options and
+    same arguments. ``progress`` (seconds) makes rank 0 report bytes done, rate and ETA: a bar on
+    a terminal, else a line every ``progress`` seconds. Raises :class:`~mpicons.errors.InputError` for a bad checkpoint or options and
     :class:`~mpicons.errors.WriteError` for I/O failures, on every rank alike.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -131,7 +135,7 @@ def consolidate(
         try:
             agree(comm, output.create)
             in_effect = output.hints_in_effect() if isinstance(output, MpiioOutput) else {}
-            written = agree(comm, lambda: _write_share(plan, sources, output, buffer_size, comm.rank))
+            written = agree(comm, lambda: _write_share(plan, sources, output, buffer_size, comm, progress, verbose))
             agree(comm, output.sync)
         except MpiconsError:
             _close_quietly(output, sources)
@@ -159,9 +163,23 @@ def consolidate(
     )
 
 
-def _write_share(plan: Plan, sources: SourceFiles, output: object, buffer_size: int, rank: int) -> int:
-    executor = Executor(plan, sources, output, buffer_size)  # type: ignore[arg-type]
-    return executor.run(plan.work[rank])
+def _write_share(
+    plan: Plan, sources: SourceFiles, output: object, buffer_size: int, comm: Comm, progress: float | None, verbose: bool
+) -> int:
+    """This rank's work items; with progress, reports flow to rank 0 while writing."""
+    if not progress:
+        return Executor(plan, sources, output, buffer_size).run(plan.work[comm.rank])  # type: ignore[arg-type]
+    channel = comm.Dup()
+    reporter = Progress(channel, plan.total_bytes, progress, verbose=verbose)
+    ok = False
+    try:
+        written = Executor(plan, sources, output, buffer_size, reporter.add).run(plan.work[comm.rank])  # type: ignore[arg-type]
+        ok = True
+        return written
+    finally:
+        # Always report the end (so rank 0 never waits for a rank that failed); rank 0 waits only on success.
+        reporter.finish(wait_for_others=ok)
+        channel.Free()
 
 
 def _close_quietly(output: object, sources: SourceFiles) -> None:

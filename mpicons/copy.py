@@ -17,6 +17,8 @@ from .plan import Plan, WorkItem
 
 #: Smallest useful assembly buffer; keeps every storage unit (≤ 8 bytes) inside one block.
 MIN_BUFFER = 1 << 16
+#: Contiguous copies are issued in steps of this size so progress and signals are seen often.
+COPY_CHUNK = 256 << 20
 
 
 class Executor:
@@ -119,16 +121,12 @@ class Executor:
         last = np.minimum(offset[:, 0] + shape[:, 0], row_end)
         for i in range(len(src)):
             length = int(last[i] - first[i]) * row_bytes
-            self.output.copy(
-                self.sources,
-                int(src[i]),
-                int(begin[i] + (first[i] - offset[i, 0]) * piece_row_bytes[i]),
-                file,
-                base + int(first[i]) * row_bytes,
-                length,
-                self.scratch,
-            )
-            self.on_bytes(length)
+            source = int(begin[i] + (first[i] - offset[i, 0]) * piece_row_bytes[i])
+            target = base + int(first[i]) * row_bytes
+            for start in range(0, length, COPY_CHUNK):
+                step = min(COPY_CHUNK, length - start)
+                self.output.copy(self.sources, int(src[i]), source + start, file, target + start, step, self.scratch)
+                self.on_bytes(step)
 
     def _assemble(
         self,
