@@ -166,6 +166,23 @@ def _cmd_verify(args: argparse.Namespace, comm: Comm) -> int:
     return 0 if report.ok else 1
 
 
+def check_launcher(world_size: int, environ: dict[str, str] | None = None) -> None:
+    """Stop when ``srun`` started N separate one-rank jobs (its MPI plugin does not match the MPI library).
+
+    Inside an srun step, ``SLURM_STEP_NUM_TASKS`` is the number of tasks srun started; a matching MPI
+    sees them all in COMM_WORLD (mpiexec under Slurm starts one proxy task per node, never more tasks
+    than ranks), so a world smaller than the step means every task runs alone.
+    """
+    env = os.environ if environ is None else environ
+    tasks = env.get("SLURM_STEP_NUM_TASKS") or (env.get("SLURM_NTASKS") if "SLURM_STEP_ID" in env else None)
+    if tasks and tasks.isdigit() and int(tasks) > world_size:
+        raise InputError(
+            f"srun started {tasks} tasks but MPI sees {world_size} rank(s) per job: the tasks are not one MPI job. "
+            "Launch with the PMI plugin your MPI was built for, e.g. 'srun --mpi=pmix' or 'srun --mpi=pmi2' "
+            "('srun --mpi=list' shows the choices), or use mpiexec inside the allocation"
+        )
+
+
 def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
     """Run the command line on ``comm`` (default COMM_WORLD); returns the exit code.
 
@@ -176,6 +193,7 @@ def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
     comm = MPI.COMM_WORLD if comm is None else comm
     install_signal_handlers()
     try:
+        check_launcher(MPI.COMM_WORLD.size)
         return args.func(args, comm)
     except MpiconsError as exc:
         if comm.rank == 0:
