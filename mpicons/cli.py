@@ -13,6 +13,7 @@ from typing import Sequence
 from mpi4py import MPI
 
 from . import __version__
+from .convert import TARGETS
 from .consolidation import DEFAULT_BUFFER_SIZE, ConsolidateResult, consolidate
 from .errors import InputError, MpiconsError
 from .io import BACKENDS
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json")
+    cmd.add_argument("--dtype", choices=sorted(TARGETS), help="convert floating-point tensors (round to nearest even)")
+    cmd.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
+                     help="re-shard like Hugging Face, e.g. 5GB (10^9 bytes), instead of following the shard names")
     cmd.add_argument("--split", choices=sorted(SPLITS), default="bytes", help="work split over ranks (default: %(default)s)")
     cmd.add_argument("--io", choices=BACKENDS, default="posix", help="output backend (default: %(default)s)")
     cmd.add_argument("--hint", type=_hint, action="append", default=[], metavar="KEY=VALUE", help="MPI-IO hint (repeatable)")
@@ -94,6 +98,8 @@ def _job_kwargs(args: argparse.Namespace) -> dict[str, object]:
         hints=dict(args.hint),
         force=args.force,
         progress=None if args.quiet or args.progress <= 0 else args.progress,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
         verbose=args.verbose,
     )
 

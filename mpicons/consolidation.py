@@ -108,12 +108,15 @@ def consolidate(
     force: bool = False,
     progress: float | None = None,
     verbose: bool = False,
+    dtype: str | None = None,
+    max_shard_size: int | None = None,
 ) -> ConsolidateResult:
     """Consolidate the sharded checkpoint in ``input_dir`` into a Hugging Face checkpoint in ``output_dir``.
 
     Collective over ``comm`` (default ``MPI.COMM_WORLD``): every rank of it must call this with the
     same arguments. ``progress`` (seconds) makes rank 0 report bytes done, rate and ETA: a bar on
-    a terminal, else a line every ``progress`` seconds. Raises :class:`~mpicons.errors.InputError` for a bad checkpoint or options and
+    a terminal, else a line every ``progress`` seconds. ``dtype`` (``bf16``/``fp16``/``fp32``) converts
+    floating-point tensors; ``max_shard_size`` (bytes) re-shards like Hugging Face. Raises :class:`~mpicons.errors.InputError` for a bad checkpoint or options and
     :class:`~mpicons.errors.WriteError` for I/O failures, on every rank alike.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -123,7 +126,7 @@ def consolidate(
         names = agree(comm, lambda: load_mapping(mapping) if mapping is not None and comm.rank == 0 else None, root=0)
         table = scan(input_dir, comm)
     with clock("plan"):
-        plan = agree(comm, lambda: build_plan(table, comm.size, mapping=names, split=split))
+        plan = agree(comm, lambda: build_plan(table, comm.size, mapping=names, split=split, dtype=dtype, max_shard_size=max_shard_size))
     with clock("write"):
         agree(comm, lambda: _prepare_output_dir(input_dir, output_dir, plan, force) if comm.rank == 0 else None, root=0)
         paths = [os.path.join(output_dir, partial_name(f.name)) for f in plan.files]

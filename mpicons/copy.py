@@ -1,17 +1,19 @@
 """Executing one rank's share of a plan: every output byte written once, memory bounded.
 
 A piece that lands contiguously in the output (it spans the full trailing dimensions, e.g.
-row-sharded or whole) is copied file to file. Anything else (column- or 2-D-sharded) is
-assembled block of rows by block of rows in a reusable buffer with numpy strided copies,
-then written as one large write. Rows larger than the buffer are split recursively.
+row-sharded or whole) is copied file to file. Anything else (column- or 2-D-sharded, or a
+dtype conversion) is assembled block of rows by block of rows in a reusable buffer with numpy
+strided copies, then written as one large write. Rows larger than the buffer are split recursively.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
+from .convert import convert, numpy_dtype
 from .io import MpiioOutput, PosixOutput, SourceFiles
 from .plan import Plan, WorkItem
 
@@ -21,8 +23,31 @@ MIN_BUFFER = 1 << 16
 COPY_CHUNK = 256 << 20
 
 
+@dataclass(frozen=True)
+class _Target:
+    """Where one tensor goes and how its units change on the way."""
+
+    file: int
+    unit_in: int
+    unit_out: int
+    dtypes: tuple[np.dtype, np.dtype] | None  # (source, output) when converting
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """Pieces (or row slices of pieces) of one region, in storage units; ``begin`` in source bytes."""
+
+    src: np.ndarray
+    begin: np.ndarray
+    shape: np.ndarray
+    offset: np.ndarray
+
+    def select(self, mask: np.ndarray) -> "_Pieces":
+        return _Pieces(self.src[mask], self.begin[mask], self.shape[mask], self.offset[mask])
+
+
 class Executor:
-    """Writes work items of a plan through an output backend, with two buffers of ``buffer_size / 2``."""
+    """Writes work items of a plan through an output backend, within ``buffer_size`` of buffers."""
 
     def __init__(
         self,
@@ -32,12 +57,14 @@ class Executor:
         buffer_size: int,
         on_bytes: Callable[[int], None] | None = None,
     ) -> None:
-        half = max(MIN_BUFFER, buffer_size // 2)
+        converting = any(t.source_dtype != t.dtype for t in plan.tensors)
+        share = max(MIN_BUFFER, buffer_size // (3 if converting else 2))
         self.plan = plan
         self.sources = sources
         self.output = output
-        self.block = np.empty(half, dtype=np.uint8)
-        self.scratch = np.empty(half, dtype=np.uint8)
+        self.block = np.empty(share, dtype=np.uint8)
+        self.scratch = np.empty(share, dtype=np.uint8)
+        self.converted = np.empty(share, dtype=np.uint8) if converting else self.block
         self.on_bytes = on_bytes or (lambda n: None)
 
     def run(self, items: list[WorkItem]) -> int:
@@ -52,113 +79,75 @@ class Executor:
         plan = self.plan
         tensor = plan.tensors[item.tensor]
         lo, hi = plan.piece_start[item.tensor], plan.piece_start[item.tensor + 1]
-        self._fill(
-            tensor.file,
-            tensor.offset,
-            tensor.storage,
-            tensor.unit,
-            plan.piece_file[lo:hi],
-            plan.piece_begin[lo:hi],
-            plan.piece_shape[lo:hi],
-            plan.piece_offset[lo:hi],
-            item.row_begin,
-            item.row_end,
-        )
+        dtypes = None
+        if tensor.source_dtype != tensor.dtype:
+            dtypes = (numpy_dtype(tensor.source_dtype), numpy_dtype(tensor.dtype))
+        target = _Target(tensor.file, tensor.source_unit, tensor.unit, dtypes)
+        pieces = _Pieces(plan.piece_file[lo:hi], plan.piece_begin[lo:hi], plan.piece_shape[lo:hi], plan.piece_offset[lo:hi])
+        self._fill(target, tensor.offset, tensor.storage, pieces, item.row_begin, item.row_end)
 
-    def _fill(
-        self,
-        file: int,
-        base: int,
-        storage: tuple[int, ...],
-        unit: int,
-        src: np.ndarray,
-        begin: np.ndarray,
-        shape: np.ndarray,
-        offset: np.ndarray,
-        row_begin: int,
-        row_end: int,
-    ) -> None:
+    def _fill(self, target: _Target, base: int, storage: tuple[int, ...], pieces: _Pieces, row_begin: int, row_end: int) -> None:
         """Write rows [row_begin, row_end) of a region of shape ``storage`` whose row 0 is at ``base``."""
-        row_bytes = int(np.prod(storage[1:], dtype=np.int64)) * unit
-        piece_row_bytes = np.prod(shape[:, 1:], axis=1) * unit
-        hit = (offset[:, 0] < row_end) & (offset[:, 0] + shape[:, 0] > row_begin)
-        src, begin, shape, offset, piece_row_bytes = src[hit], begin[hit], shape[hit], offset[hit], piece_row_bytes[hit]
-        if np.all(shape[:, 1:] == np.asarray(storage[1:])):
-            self._copy_rows(file, base, row_bytes, src, begin, shape, offset, piece_row_bytes, row_begin, row_end)
-        elif row_bytes <= len(self.block):
-            self._assemble(file, base, storage, unit, row_bytes, src, begin, shape, offset, piece_row_bytes, row_begin, row_end)
+        row_elements = int(np.prod(storage[1:], dtype=np.int64))
+        hit = (pieces.offset[:, 0] < row_end) & (pieces.offset[:, 0] + pieces.shape[:, 0] > row_begin)
+        pieces = pieces.select(hit)
+        full_width = bool(np.all(pieces.shape[:, 1:] == np.asarray(storage[1:])))
+        if full_width and target.dtypes is None:
+            self._copy_rows(target, base, row_elements, pieces, row_begin, row_end)
+        elif row_elements * max(target.unit_in, target.unit_out) <= len(self.block):
+            self._assemble(target, base, storage, pieces, row_begin, row_end)
         else:
+            piece_row_bytes = np.prod(pieces.shape[:, 1:], axis=1) * target.unit_in
             for row in range(row_begin, row_end):
-                inside = (offset[:, 0] <= row) & (row < offset[:, 0] + shape[:, 0])
-                self._fill(
-                    file,
-                    base + row * row_bytes,
-                    storage[1:],
-                    unit,
-                    src[inside],
-                    begin[inside] + (row - offset[inside, 0]) * piece_row_bytes[inside],
-                    shape[inside, 1:],
-                    offset[inside, 1:],
-                    0,
-                    storage[1],
+                inside = (pieces.offset[:, 0] <= row) & (row < pieces.offset[:, 0] + pieces.shape[:, 0])
+                part = pieces.select(inside)
+                sliced = _Pieces(
+                    part.src,
+                    part.begin + (row - part.offset[:, 0]) * piece_row_bytes[inside],
+                    part.shape[:, 1:],
+                    part.offset[:, 1:],
                 )
+                self._fill(target, base + row * row_elements * target.unit_out, storage[1:], sliced, 0, storage[1])
 
-    def _copy_rows(
-        self,
-        file: int,
-        base: int,
-        row_bytes: int,
-        src: np.ndarray,
-        begin: np.ndarray,
-        shape: np.ndarray,
-        offset: np.ndarray,
-        piece_row_bytes: np.ndarray,
-        row_begin: int,
-        row_end: int,
-    ) -> None:
-        """Pieces spanning the full trailing dimensions: one file-to-file copy each."""
-        first = np.maximum(offset[:, 0], row_begin)
-        last = np.minimum(offset[:, 0] + shape[:, 0], row_end)
-        for i in range(len(src)):
+    def _copy_rows(self, target: _Target, base: int, row_elements: int, pieces: _Pieces, row_begin: int, row_end: int) -> None:
+        """Pieces spanning the full trailing dimensions, same dtype: one file-to-file copy each."""
+        row_bytes = row_elements * target.unit_in
+        first = np.maximum(pieces.offset[:, 0], row_begin)
+        last = np.minimum(pieces.offset[:, 0] + pieces.shape[:, 0], row_end)
+        for i in range(len(pieces.src)):
             length = int(last[i] - first[i]) * row_bytes
-            source = int(begin[i] + (first[i] - offset[i, 0]) * piece_row_bytes[i])
-            target = base + int(first[i]) * row_bytes
+            source = int(pieces.begin[i] + (first[i] - pieces.offset[i, 0]) * row_bytes)
+            destination = base + int(first[i]) * row_bytes
             for start in range(0, length, COPY_CHUNK):
                 step = min(COPY_CHUNK, length - start)
-                self.output.copy(self.sources, int(src[i]), source + start, file, target + start, step, self.scratch)
+                self.output.copy(self.sources, int(pieces.src[i]), source + start, target.file, destination + start, step, self.scratch)
                 self.on_bytes(step)
 
-    def _assemble(
-        self,
-        file: int,
-        base: int,
-        storage: tuple[int, ...],
-        unit: int,
-        row_bytes: int,
-        src: np.ndarray,
-        begin: np.ndarray,
-        shape: np.ndarray,
-        offset: np.ndarray,
-        piece_row_bytes: np.ndarray,
-        row_begin: int,
-        row_end: int,
-    ) -> None:
+    def _assemble(self, target: _Target, base: int, storage: tuple[int, ...], pieces: _Pieces, row_begin: int, row_end: int) -> None:
         """Blocks of rows built in the buffer from every piece they cross, then one write per block."""
-        rows_per_block = len(self.block) // row_bytes
+        row_elements = int(np.prod(storage[1:], dtype=np.int64))
+        rows_per_block = len(self.block) // (row_elements * max(target.unit_in, target.unit_out))
+        piece_row_bytes = np.prod(pieces.shape[:, 1:], axis=1) * target.unit_in
         for block_begin in range(row_begin, row_end, rows_per_block):
             block_end = min(row_end, block_begin + rows_per_block)
             rows = block_end - block_begin
-            block = self.block[: rows * row_bytes].reshape((rows, *storage[1:], unit))
-            first = np.maximum(offset[:, 0], block_begin)
-            last = np.minimum(offset[:, 0] + shape[:, 0], block_end)
+            size_in = rows * row_elements * target.unit_in
+            block = self.block[:size_in].reshape((rows, *storage[1:], target.unit_in))
+            first = np.maximum(pieces.offset[:, 0], block_begin)
+            last = np.minimum(pieces.offset[:, 0] + pieces.shape[:, 0], block_end)
             for i in np.nonzero(last > first)[0]:
                 count = int(last[i] - first[i])
-                nbytes = count * int(piece_row_bytes[i])
-                chunk = self.scratch[:nbytes]
-                self.sources.read_into(int(src[i]), int(begin[i] + (first[i] - offset[i, 0]) * piece_row_bytes[i]), memoryview(chunk))
-                target = (slice(int(first[i]) - block_begin, int(last[i]) - block_begin),) + tuple(
-                    slice(int(o), int(o + s)) for o, s in zip(offset[i, 1:], shape[i, 1:])
+                chunk = self.scratch[: count * int(piece_row_bytes[i])]
+                offset = int(pieces.begin[i] + (first[i] - pieces.offset[i, 0]) * piece_row_bytes[i])
+                self.sources.read_into(int(pieces.src[i]), offset, memoryview(chunk))
+                region = (slice(int(first[i]) - block_begin, int(last[i]) - block_begin),) + tuple(
+                    slice(int(o), int(o + s)) for o, s in zip(pieces.offset[i, 1:], pieces.shape[i, 1:])
                 )
-                block[target] = chunk.reshape((count, *(int(s) for s in shape[i, 1:]), unit))
-            self.output.write(file, base + block_begin * row_bytes, memoryview(self.block[: rows * row_bytes]))
-            self.on_bytes(rows * row_bytes)
+                block[region] = chunk.reshape((count, *(int(s) for s in pieces.shape[i, 1:]), target.unit_in))
+            out = self.block[:size_in]
+            if target.dtypes is not None:
+                source_dtype, output_dtype = target.dtypes
+                out = self.converted[: rows * row_elements * target.unit_out]
+                convert(self.block[:size_in].view(source_dtype), out.view(output_dtype))
+            self.output.write(target.file, base + block_begin * row_elements * target.unit_out, memoryview(out))
+            self.on_bytes(len(out))

@@ -8,11 +8,13 @@ bytes and tensor offsets) and which rows of which tensor each rank writes.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from .convert import converted_dtype
 from .errors import InputError
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
 from .scan import PieceTable
@@ -39,6 +41,14 @@ class Tensor:
     unit: int
     file: int = -1
     offset: int = 0
+    source_dtype: str = ""  # dtype in the shards when converting (``--dtype``), else == dtype
+    source_unit: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.source_dtype:
+            object.__setattr__(self, "source_dtype", self.dtype)
+        if not self.source_unit:
+            object.__setattr__(self, "source_unit", self.unit)
 
     @property
     def rows(self) -> int:
@@ -145,13 +155,21 @@ def build_plan(
     *,
     mapping: Mapping[str, str] | None = None,
     split: str = "bytes",
+    dtype: str | None = None,
+    max_shard_size: int | None = None,
 ) -> Plan:
-    """The full plan for ``ranks`` writers; raises InputError naming the tensor and files on bad input."""
+    """The full plan for ``ranks`` writers; raises InputError naming the tensor and files on bad input.
+
+    ``dtype`` (``bf16``/``fp16``/``fp32``) converts floating-point tensors; ``max_shard_size`` (bytes)
+    re-shards the output the way Hugging Face does instead of following the shard names.
+    """
+    if mapping is not None and max_shard_size is not None:
+        raise InputError("--mapping and --max-shard-size both decide the output files: give one")
     if table.num_pieces == 0:
         raise InputError("the checkpoint holds no tensors")
     order = np.argsort(table.piece_tensor, kind="stable")
     tensor = table.piece_tensor[order]
-    dtype = table.piece_dtype[order]
+    dtypes = table.piece_dtype[order]
     ndim = table.piece_ndim[order]
     shape = table.piece_shape[order]
     offset = table.piece_offset[order]
@@ -161,15 +179,15 @@ def build_plan(
     starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
     first = starts[:-1]
 
-    _check_agreement(table, "dtype", dtype, tensor, first, files, lambda v: DTYPES[v].name)
+    _check_agreement(table, "dtype", dtypes, tensor, first, files, lambda v: DTYPES[v].name)
     _check_agreement(table, "number of dimensions", ndim, tensor, first, files, int)
 
     # Identical replicas (same tensor, offsets and shape) count once: keep the first file's copy.
     keys = np.concatenate([tensor[:, None].astype(np.int64), offset, shape], axis=1)
     _, keep = np.unique(keys, axis=0, return_index=True)
     keep.sort()
-    tensor, dtype, ndim, shape, offset, files, begin = (
-        a[keep] for a in (tensor, dtype, ndim, shape, offset, files, begin)
+    tensor, dtypes, ndim, shape, offset, files, begin = (
+        a[keep] for a in (tensor, dtypes, ndim, shape, offset, files, begin)
     )
     starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
     first = starts[:-1]
@@ -183,7 +201,7 @@ def build_plan(
         tensors.append(
             Tensor(
                 name=table.names[t],
-                dtype=DTYPES[int(dtype[first[t]])].name,
+                dtype=DTYPES[int(dtypes[first[t]])].name,
                 shape=tuple(int(x) for x in full[t, :rank]),
                 storage=tuple(int(x) for x in full[t]),
                 unit=0,
@@ -191,12 +209,15 @@ def build_plan(
         )
     _check_coverage(table, tensors, full, starts, shape, offset, files, empty_piece)
     tensors, shape, offset = _to_storage_units(table, tensors, tensor, shape, offset, files)
+    tensors = [_converted(t, dtype) for t in tensors]
 
     nonempty = ~empty_piece
     tensor, shape, offset, files, begin = (a[nonempty] for a in (tensor, shape, offset, files, begin))
     starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
 
     assignment = _assign_files(table, tensors, mapping, table.piece_tensor, table.piece_file)
+    if max_shard_size is not None:
+        assignment = _pack_shards(tensors, assignment, max_shard_size)
     tensors, out_files = _layout(tensors, assignment)
     plan = Plan(
         source_files=list(table.files),
@@ -358,7 +379,7 @@ def _to_storage_units(
     for t, info in enumerate(tensors):
         bits = DTYPE_BY_NAME[info.dtype].bits
         if bits % 8 == 0:
-            result.append(Tensor(info.name, info.dtype, info.shape, info.storage, bits // 8))
+            result.append(replace(info, unit=bits // 8, source_unit=bits // 8))
             continue
         last = len(info.shape) - 1
         rows = np.nonzero(tensor == t)[0]
@@ -371,7 +392,7 @@ def _to_storage_units(
         offset[rows, last] = offset[rows, last] * bits // 8
         storage = list(info.storage)
         storage[last] = storage[last] * bits // 8
-        result.append(Tensor(info.name, info.dtype, info.shape, tuple(storage), 1))
+        result.append(replace(info, storage=tuple(storage), unit=1, source_unit=1))
     return result, shape, offset
 
 
@@ -435,6 +456,49 @@ def _per_tensor_source(
     return chosen
 
 
+def _converted(tensor: Tensor, target: str | None) -> Tensor:
+    dtype = converted_dtype(tensor.dtype, target)
+    if dtype == tensor.dtype:
+        return tensor
+    return replace(tensor, dtype=dtype, unit=DTYPE_BY_NAME[dtype].bits // 8)
+
+
+def _natural_key(name: str) -> list[object]:
+    """``layers.2`` before ``layers.10``: the order modules are usually defined in."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _pack_shards(tensors: list[Tensor], assignment: list[str], max_shard_size: int) -> list[str]:
+    """Hugging Face's sharding: fill a file until the next tensor would exceed the limit.
+
+    Tensors are taken in their original file order, then natural name order; a tensor larger than
+    the limit gets a file of its own. Files are named ``model-IIIII-of-NNNNN.safetensors``.
+    """
+    if max_shard_size <= 0:
+        raise InputError(f"--max-shard-size must be positive (got {max_shard_size})")
+    order = sorted(range(len(tensors)), key=lambda t: (assignment[t], _natural_key(tensors[t].name)))
+    shards: list[list[int]] = []
+    current: list[int] = []
+    current_size = 0
+    for t in order:
+        size = tensors[t].nbytes
+        if size > max_shard_size:
+            shards.append([t])
+            continue
+        if current and current_size + size > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(t)
+        current_size += size
+    if current:
+        shards.append(current)
+    result = [""] * len(tensors)
+    for index, members in enumerate(shards, start=1):
+        for t in members:
+            result[t] = output_name(index, len(shards))
+    return result
+
+
 def _layout(tensors: list[Tensor], assignment: list[str]) -> tuple[list[Tensor], list[OutputFile]]:
     """Reference-order headers and tensor offsets for every output file (files sorted by name)."""
     by_file: dict[str, list[int]] = {}
@@ -449,7 +513,7 @@ def _layout(tensors: list[Tensor], assignment: list[str]) -> tuple[list[Tensor],
         )
         for t, (start, _) in zip(members, spans):
             info = tensors[t]
-            placed[t] = Tensor(info.name, info.dtype, info.shape, info.storage, info.unit, file_index, len(header) + start)
+            placed[t] = replace(info, file=file_index, offset=len(header) + start)
         files.append(OutputFile(name, header, len(header) + (spans[-1][1] if spans else 0), tuple(members)))
     return placed, files
 

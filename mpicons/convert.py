@@ -1,0 +1,53 @@
+"""Floating-point dtype conversion on the way (``--dtype``), rounding to nearest even.
+
+Integers, bools, complex and sub-byte floats (F4, F6) are never converted. numpy and ml_dtypes
+round correctly from a single rounding, except float64 → bfloat16, which ml_dtypes rounds twice
+(through float32); that path first rounds to float32 *to odd*, which makes the second rounding exact.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
+import numpy as np
+
+from .errors import InputError
+from .format import DTYPE_BY_NAME
+
+#: ``--dtype`` choices → safetensors dtype names.
+TARGETS = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+
+
+def converted_dtype(source: str, target: str | None) -> str:
+    """The dtype a tensor of ``source`` dtype is written as under ``--dtype target``."""
+    if target is None:
+        return source
+    if target not in TARGETS:
+        raise InputError(f"unknown --dtype {target!r} (choose from {', '.join(TARGETS)})")
+    kind = DTYPE_BY_NAME[source]
+    if not kind.is_float or kind.bits % 8:
+        return source
+    return TARGETS[target]
+
+
+def numpy_dtype(name: str) -> np.dtype:
+    return np.dtype(DTYPE_BY_NAME[name].numpy)
+
+
+def convert(source: np.ndarray, target: np.ndarray) -> None:
+    """Write ``source`` (any float dtype) into ``target`` (same shape) with round-to-nearest-even."""
+    if source.dtype == np.float64 and target.dtype == np.dtype(ml_dtypes.bfloat16):
+        np.copyto(target, _float64_to_float32_round_to_odd(source), casting="unsafe")
+    else:
+        np.copyto(target, source, casting="unsafe")
+
+
+def _float64_to_float32_round_to_odd(values: np.ndarray) -> np.ndarray:
+    """float32 nearest to ``values`` toward zero, with the last bit set when inexact (sticky)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        rounded = values.astype(np.float32)
+        away = np.abs(rounded.astype(np.float64)) > np.abs(values)
+        rounded = np.where(away, np.nextafter(rounded, np.float32(0)), rounded)
+        inexact = (rounded.astype(np.float64) != values) & np.isfinite(values)
+    bits = rounded.view(np.uint32)
+    bits |= inexact.astype(np.uint32)
+    return rounded
