@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from .copy import Executor
 from .errors import InputError, MpiconsError, WriteError
+from .hdf5 import HDF5_NAME, create_layout, retarget
 from .io import MpiioOutput, SourceFiles, open_output
 from .parallel import Comm, agree
 from .progress import Progress
@@ -20,6 +21,7 @@ from .stats import PhaseClock, Stats, reduce_stats
 
 DEFAULT_BUFFER_SIZE = 32 << 20
 PARTIAL_SUFFIX = ".mpicons-partial"
+FORMATS = ("safetensors", "hdf5")
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,12 @@ def partial_name(name: str) -> str:
     return f".{name}{PARTIAL_SUFFIX}"
 
 
-def _prepare_output_dir(input_dir: str, output_dir: str, plan: Plan, force: bool) -> None:
+def _final_names(plan: Plan, output_format: str) -> list[str]:
+    """Every name the job publishes; the index (safetensors) comes last."""
+    return [f.name for f in plan.files] + ([INDEX_NAME] if output_format == "safetensors" else [])
+
+
+def _prepare_output_dir(input_dir: str, output_dir: str, names: list[str], force: bool) -> None:
     if os.path.realpath(input_dir) == os.path.realpath(output_dir):
         raise InputError(f"{output_dir}: output directory is the input directory")
     try:
@@ -64,22 +71,23 @@ def _prepare_output_dir(input_dir: str, output_dir: str, plan: Plan, force: bool
     except OSError as exc:
         raise WriteError(f"{output_dir}: cannot create output directory ({exc.strerror})") from None
     if not force:
-        for name in [f.name for f in plan.files] + [INDEX_NAME]:
+        for name in names:
             if os.path.lexists(os.path.join(output_dir, name)):
                 raise InputError(f"{os.path.join(output_dir, name)}: already exists (use --force to overwrite)")
 
 
-def _publish(output_dir: str, plan: Plan) -> None:
+def _publish(output_dir: str, plan: Plan, with_index: bool) -> None:
     """Rename every finished output to its final name, then write the index last."""
     for out in plan.files:
         os.replace(os.path.join(output_dir, partial_name(out.name)), os.path.join(output_dir, out.name))
-    index_tmp = os.path.join(output_dir, partial_name(INDEX_NAME))
-    with open(index_tmp, "w", encoding="utf-8") as handle:
-        json.dump(plan.index(), handle, indent=2)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(index_tmp, os.path.join(output_dir, INDEX_NAME))
+    if with_index:
+        index_tmp = os.path.join(output_dir, partial_name(INDEX_NAME))
+        with open(index_tmp, "w", encoding="utf-8") as handle:
+            json.dump(plan.index(), handle, indent=2)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(index_tmp, os.path.join(output_dir, INDEX_NAME))
     dir_fd = os.open(output_dir, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
@@ -87,12 +95,18 @@ def _publish(output_dir: str, plan: Plan) -> None:
         os.close(dir_fd)
 
 
-def _remove_partials(output_dir: str, plan: Plan) -> None:
-    for name in [f.name for f in plan.files] + [INDEX_NAME]:
+def _remove_partials(output_dir: str, names: list[str]) -> None:
+    for name in names:
         try:
             os.unlink(os.path.join(output_dir, partial_name(name)))
         except OSError:
             pass
+
+
+def _layout_hdf5(output_dir: str, plan: Plan) -> tuple[list[int], int]:
+    path = os.path.join(output_dir, partial_name(HDF5_NAME))
+    offsets = create_layout(path, plan)
+    return offsets, os.path.getsize(path)
 
 
 def consolidate(
@@ -110,17 +124,22 @@ def consolidate(
     verbose: bool = False,
     dtype: str | None = None,
     max_shard_size: int | None = None,
+    output_format: str = "safetensors",
 ) -> ConsolidateResult:
     """Consolidate the sharded checkpoint in ``input_dir`` into a Hugging Face checkpoint in ``output_dir``.
 
     Collective over ``comm`` (default ``MPI.COMM_WORLD``): every rank of it must call this with the
     same arguments. ``progress`` (seconds) makes rank 0 report bytes done, rate and ETA: a bar on
     a terminal, else a line every ``progress`` seconds. ``dtype`` (``bf16``/``fp16``/``fp32``) converts
-    floating-point tensors; ``max_shard_size`` (bytes) re-shards like Hugging Face. Raises :class:`~mpicons.errors.InputError` for a bad checkpoint or options and
+    floating-point tensors; ``max_shard_size`` (bytes) re-shards like Hugging Face;
+    ``output_format="hdf5"`` writes one ``model.h5`` instead (needs h5py). Raises
+    :class:`~mpicons.errors.InputError` for a bad checkpoint or options and
     :class:`~mpicons.errors.WriteError` for I/O failures, on every rank alike.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
+    if output_format not in FORMATS:
+        raise InputError(f"unknown output format {output_format!r} (choose from {', '.join(FORMATS)})")
     clock = PhaseClock()
     with clock("scan"):
         names = agree(comm, lambda: load_mapping(mapping) if mapping is not None and comm.rank == 0 else None, root=0)
@@ -128,12 +147,26 @@ def consolidate(
     with clock("plan"):
         plan = agree(comm, lambda: build_plan(table, comm.size, mapping=names, split=split, dtype=dtype, max_shard_size=max_shard_size))
     with clock("write"):
-        agree(comm, lambda: _prepare_output_dir(input_dir, output_dir, plan, force) if comm.rank == 0 else None, root=0)
-        paths = [os.path.join(output_dir, partial_name(f.name)) for f in plan.files]
-        output = agree(
-            comm,
-            lambda: open_output(io, comm, paths, [f.header for f in plan.files], [f.size for f in plan.files], hints),
-        )
+        if output_format == "hdf5":
+            plan = retarget(plan, [0] * len(plan.tensors), 0)
+        final_names = _final_names(plan, output_format)
+        agree(comm, lambda: _prepare_output_dir(input_dir, output_dir, final_names, force) if comm.rank == 0 else None, root=0)
+        try:
+            if output_format == "hdf5":
+                offsets, size = agree(comm, lambda: _layout_hdf5(output_dir, plan) if comm.rank == 0 else None, root=0)
+                plan = retarget(plan, offsets, size)
+            paths = [os.path.join(output_dir, partial_name(f.name)) for f in plan.files]
+            output = agree(
+                comm,
+                lambda: open_output(
+                    io, comm, paths, [f.header for f in plan.files], [f.size for f in plan.files], hints,
+                    preallocated=output_format == "hdf5",
+                ),
+            )
+        except MpiconsError:
+            if comm.rank == 0:
+                _remove_partials(output_dir, final_names)
+            raise
         sources = SourceFiles(input_dir, plan.source_files)
         try:
             agree(comm, output.create)
@@ -143,21 +176,21 @@ def consolidate(
         except MpiconsError:
             _close_quietly(output, sources)
             if comm.rank == 0:
-                _remove_partials(output_dir, plan)
+                _remove_partials(output_dir, final_names)
             raise
         _close_quietly(output, sources)
     with clock("finalize"):
         try:
-            agree(comm, lambda: _publish(output_dir, plan) if comm.rank == 0 else None, root=0)
+            agree(comm, lambda: _publish(output_dir, plan, output_format == "safetensors") if comm.rank == 0 else None, root=0)
         except MpiconsError:
             if comm.rank == 0:
-                _remove_partials(output_dir, plan)
+                _remove_partials(output_dir, final_names)
             raise
     stats = reduce_stats(comm, clock, written, len(plan.files), len(plan.tensors), plan.total_bytes)
     return ConsolidateResult(
         output_dir=output_dir,
         files=[f.name for f in plan.files],
-        index_file=INDEX_NAME,
+        index_file=INDEX_NAME if output_format == "safetensors" else "",
         tensors=len(plan.tensors),
         total_bytes=plan.total_bytes,
         stats=stats,

@@ -73,17 +73,20 @@ class PosixOutput:
 
     name = "posix"
 
-    def __init__(self, comm: Comm, paths: Sequence[str], headers: Sequence[bytes], sizes: Sequence[int]) -> None:
+    def __init__(
+        self, comm: Comm, paths: Sequence[str], headers: Sequence[bytes], sizes: Sequence[int], preallocated: bool = False
+    ) -> None:
         self.comm = comm
         self.paths = paths
         self.headers = headers
         self.sizes = sizes
+        self.preallocated = preallocated
         self._fds: dict[int, int] = {}
         self._copy_range = hasattr(os, "copy_file_range")
 
     def create(self) -> None:
         """Rank 0 writes each header and sizes each file to its final length (others do nothing)."""
-        if self.comm.rank != 0:
+        if self.comm.rank != 0 or self.preallocated:
             return
         for path, header, size in zip(self.paths, self.headers, self.sizes):
             try:
@@ -154,12 +157,14 @@ class MpiioOutput:
         headers: Sequence[bytes],
         sizes: Sequence[int],
         hints: Mapping[str, str] | None = None,
+        preallocated: bool = False,
     ) -> None:
         self.comm = comm
         self.paths = paths
         self.headers = headers
         self.sizes = sizes
         self.hints = dict(hints or {})
+        self.preallocated = preallocated
         self._files: list[MPI.File] = []
 
     def create(self) -> None:
@@ -170,11 +175,13 @@ class MpiioOutput:
         try:
             for path, header, size in zip(self.paths, self.headers, self.sizes):
                 try:
-                    handle = MPI.File.Open(self.comm, path, MPI.MODE_WRONLY | MPI.MODE_CREATE, info)
+                    mode = MPI.MODE_WRONLY | (0 if self.preallocated else MPI.MODE_CREATE)
+                    handle = MPI.File.Open(self.comm, path, mode, info)
                     self._files.append(handle)
-                    handle.Set_size(size)
-                    if self.comm.rank == 0:
-                        handle.Write_at(0, header)
+                    if not self.preallocated:
+                        handle.Set_size(size)
+                        if self.comm.rank == 0:
+                            handle.Write_at(0, header)
                 except MPI.Exception as exc:
                     raise WriteError(f"{path}: cannot create output with MPI-IO ({exc.Get_error_string()})") from None
         finally:
@@ -243,10 +250,17 @@ BACKENDS = ("posix", "mpiio")
 
 
 def open_output(
-    kind: str, comm: Comm, paths: Sequence[str], headers: Sequence[bytes], sizes: Sequence[int], hints: Mapping[str, str] | None = None
+    kind: str,
+    comm: Comm,
+    paths: Sequence[str],
+    headers: Sequence[bytes],
+    sizes: Sequence[int],
+    hints: Mapping[str, str] | None = None,
+    preallocated: bool = False,
 ) -> PosixOutput | MpiioOutput:
+    """An output backend; ``preallocated`` outputs already exist with their layout (HDF5) and are only opened."""
     if kind == "posix":
-        return PosixOutput(comm, paths, headers, sizes)
+        return PosixOutput(comm, paths, headers, sizes, preallocated)
     if kind == "mpiio":
-        return MpiioOutput(comm, paths, headers, sizes, hints)
+        return MpiioOutput(comm, paths, headers, sizes, hints, preallocated)
     raise ValueError(f"unknown I/O backend {kind!r} (choose from {', '.join(BACKENDS)})")

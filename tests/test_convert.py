@@ -20,7 +20,8 @@ FLOATS = set(NUMPY)
 
 def nearest_even(values: np.ndarray, target) -> np.ndarray:
     """Oracle: the finite 16-bit value nearest each float64, ties to the even bit pattern (table search)."""
-    table = np.arange(1 << 16, dtype=np.uint16).view(target).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        table = np.arange(1 << 16, dtype=np.uint16).view(target).astype(np.float64)
     finite = np.isfinite(table)
     patterns = np.arange(1 << 16, dtype=np.uint16)[finite]
     table = table[finite]
