@@ -8,7 +8,7 @@ import os
 import re
 import sys
 import traceback
-from typing import Sequence
+from typing import Callable, Sequence
 
 from mpi4py import MPI
 
@@ -68,7 +68,32 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", metavar="FILE", help="write the report as JSON")
     check.add_argument("-q", "--quiet", action="store_true", help="print only the problems")
     check.set_defaults(func=_cmd_verify)
+
+    look = commands.add_parser("inspect", help="show tensors, shards, problems and each rank's work, writing nothing")
+    look.add_argument("input_dir", help="directory of shard-RRRRR-model-IIIII-of-NNNNN.safetensors files")
+    look.add_argument("--ranks", type=_int_at_least(1), metavar="N", help="plan for N ranks (default: this job's size)")
+    look.add_argument("--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json")
+    look.add_argument("--split", choices=sorted(SPLITS), default="bytes", help="work split over ranks (default: %(default)s)")
+    look.add_argument("--json", metavar="FILE", help="write the full report as JSON ('-': to stdout, instead of the table)")
+    look.add_argument("--limit", type=_int_at_least(0), default=50, metavar="N",
+                      help="rows per list in the table, 0 for all (default: %(default)s)")
+    look.set_defaults(func=_cmd_inspect)
     return parser
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type for integers >= ``minimum``, so bad values are usage errors, not tracebacks."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
+        return value
+
+    return parse
 
 
 def _add_job_options(cmd: argparse.ArgumentParser) -> None:
@@ -76,6 +101,8 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--dtype", choices=sorted(TARGETS), help="convert floating-point tensors (round to nearest even)")
     cmd.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
                      help="re-shard like Hugging Face, e.g. 5GB (10^9 bytes), instead of following the shard names")
+    cmd.add_argument("--gather-to", type=int, metavar="RANK",
+                     help="write every output on this rank only (its local OUTPUT_DIR); data moves over MPI")
     cmd.add_argument("--split", choices=sorted(SPLITS), default="bytes", help="work split over ranks (default: %(default)s)")
     cmd.add_argument("--io", choices=BACKENDS, default="posix", help="output backend (default: %(default)s)")
     cmd.add_argument("--hint", type=_hint, action="append", default=[], metavar="KEY=VALUE", help="MPI-IO hint (repeatable)")
@@ -110,11 +137,14 @@ def _report(args: argparse.Namespace, comm: Comm, result: ConsolidateResult) -> 
     if not args.quiet:
         print(result.stats.table())
         if args.verbose:
-            for rank, count in enumerate(result.plan.bytes_per_rank()):
-                print(f"  rank {rank}: {count} bytes in {len(result.plan.work[rank])} work items")
+            for rank, count in enumerate(result.bytes_per_rank):
+                print(f"  rank {rank}: writes {count} bytes")
+            if not result.shared_input:
+                print(f"  node-local shards: {result.moved_bytes} bytes moved over MPI")
             if result.hints:
                 print("  MPI-IO hints in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(result.hints.items())))
-        print(f"mpicons: wrote {len(result.files)} files and {result.index_file} to {result.output_dir}")
+        index = f" and {result.index_file}" if result.index_file else ""
+        print(f"mpicons: wrote {', '.join(result.files) if len(result.files) < 4 else f'{len(result.files)} files'}{index} to {result.output_dir}")
     if args.stats_json:
         report = result.stats.to_dict()
         report["files"] = result.files
@@ -170,6 +200,34 @@ def _cmd_verify(args: argparse.Namespace, comm: Comm) -> int:
                 print(f"mpicons: error: {args.json}: cannot write the report ({exc.strerror})", file=sys.stderr, flush=True)
                 return 1
     return 0 if report.ok else 1
+
+
+def _cmd_inspect(args: argparse.Namespace, comm: Comm) -> int:
+    """Exit 0 when the checkpoint can be consolidated, 2 when it has problems (the report is printed either way)."""
+    from .errors import WriteError
+    from .inspect import inspect
+    from .parallel import agree
+
+    report = inspect(args.input_dir, comm=comm, ranks=args.ranks, mapping=args.mapping, split=args.split)
+    if comm.rank == 0:
+        if args.json == "-":
+            json.dump(report.to_dict(), sys.stdout, indent=2)
+            sys.stdout.write("\n")
+        else:
+            print(report.table(limit=args.limit))
+        sys.stdout.flush()
+
+    def write_json() -> None:
+        try:
+            with open(args.json, "w", encoding="utf-8") as handle:
+                json.dump(report.to_dict(), handle, indent=2)
+                handle.write("\n")
+        except OSError as exc:
+            raise WriteError(f"{args.json}: cannot write the report ({exc.strerror})") from None
+
+    # Every rank learns whether rank 0 could write the file, so all exit with the same code.
+    agree(comm, lambda: write_json() if comm.rank == 0 and args.json not in (None, "-") else None, root=0)
+    return 0 if report.ok else 2
 
 
 def check_launcher(world_size: int, environ: dict[str, str] | None = None) -> None:

@@ -9,13 +9,15 @@ from typing import Mapping
 
 from mpi4py import MPI
 
-from .copy import Executor
+from .copy import MIN_BUFFER, Executor
+from .exchange import ExchangeExecutor
 from .errors import InputError, MpiconsError, WriteError
 from .hdf5 import HDF5_NAME, create_layout, retarget
 from .io import MpiioOutput, SourceFiles, open_output
-from .parallel import Comm, agree
+from .parallel import Comm, agree, signals_deferred
 from .progress import Progress
 from .plan import INDEX_NAME, Plan, build_plan, parse_mapping
+from .routing import Routes, route
 from .scan import scan
 from .stats import PhaseClock, Stats, reduce_stats
 
@@ -36,6 +38,9 @@ class ConsolidateResult:
     stats: Stats
     plan: Plan
     hints: dict[str, str]
+    bytes_per_rank: list[int]
+    moved_bytes: int  # bytes sent between ranks over MPI (node-local shards / gather_to)
+    shared_input: bool  # every rank could read every shard file
 
 
 def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict[str, str]:
@@ -125,6 +130,7 @@ def consolidate(
     dtype: str | None = None,
     max_shard_size: int | None = None,
     output_format: str = "safetensors",
+    gather_to: int | None = None,
 ) -> ConsolidateResult:
     """Consolidate the sharded checkpoint in ``input_dir`` into a Hugging Face checkpoint in ``output_dir``.
 
@@ -132,7 +138,12 @@ def consolidate(
     same arguments. ``progress`` (seconds) makes rank 0 report bytes done, rate and ETA: a bar on
     a terminal, else a line every ``progress`` seconds. ``dtype`` (``bf16``/``fp16``/``fp32``) converts
     floating-point tensors; ``max_shard_size`` (bytes) re-shards like Hugging Face;
-    ``output_format="hdf5"`` writes one ``model.h5`` instead (needs h5py). Raises
+    ``output_format="hdf5"`` writes one ``model.h5`` instead (needs h5py).
+
+    Shards need not be on a shared filesystem: ``{rank}`` in ``input_dir`` gives each rank its own
+    directory (or the same path names a node-local disk); each file is read only by ranks that see
+    it and data moves over MPI where needed. ``gather_to=r`` writes every output on rank ``r`` only
+    (its local ``output_dir``). Raises
     :class:`~mpicons.errors.InputError` for a bad checkpoint or options and
     :class:`~mpicons.errors.WriteError` for I/O failures, on every rank alike.
     """
@@ -146,44 +157,50 @@ def consolidate(
         table = scan(input_dir, comm)
     with clock("plan"):
         plan = agree(comm, lambda: build_plan(table, comm.size, mapping=names, split=split, dtype=dtype, max_shard_size=max_shard_size))
+        routes = None
+        if table.holders is not None or gather_to is not None:
+            if gather_to is not None and io != "posix":
+                raise InputError("--gather-to writes on one rank's local disk: use --io posix")
+            routes = agree(comm, lambda: route(plan, table.holders, comm.size, _block_bytes(buffer_size), gather_to))
+    owner = gather_to if gather_to is not None else 0
     with clock("write"):
         if output_format == "hdf5":
             plan = retarget(plan, [0] * len(plan.tensors), 0)
         final_names = _final_names(plan, output_format)
-        agree(comm, lambda: _prepare_output_dir(input_dir, output_dir, final_names, force) if comm.rank == 0 else None, root=0)
+        agree(comm, lambda: _prepare_output_dir(input_dir, output_dir, final_names, force) if comm.rank == owner else None, root=owner)
         try:
             if output_format == "hdf5":
-                offsets, size = agree(comm, lambda: _layout_hdf5(output_dir, plan) if comm.rank == 0 else None, root=0)
+                offsets, size = agree(comm, lambda: _layout_hdf5(output_dir, plan) if comm.rank == owner else None, root=owner)
                 plan = retarget(plan, offsets, size)
             paths = [os.path.join(output_dir, partial_name(f.name)) for f in plan.files]
             output = agree(
                 comm,
                 lambda: open_output(
                     io, comm, paths, [f.header for f in plan.files], [f.size for f in plan.files], hints,
-                    preallocated=output_format == "hdf5",
+                    preallocated=output_format == "hdf5", owner=owner,
                 ),
             )
         except MpiconsError:
-            if comm.rank == 0:
+            if comm.rank == owner:
                 _remove_partials(output_dir, final_names)
             raise
-        sources = SourceFiles(input_dir, plan.source_files)
+        sources = SourceFiles(table.directory, plan.source_files)
         try:
             agree(comm, output.create)
             in_effect = output.hints_in_effect() if isinstance(output, MpiioOutput) else {}
-            written = agree(comm, lambda: _write_share(plan, sources, output, buffer_size, comm, progress, verbose))
+            written = agree(comm, lambda: _write_share(plan, routes, sources, output, buffer_size, comm, progress, verbose))
             agree(comm, output.sync)
         except MpiconsError:
             _close_quietly(output, sources)
-            if comm.rank == 0:
+            if comm.rank == owner:
                 _remove_partials(output_dir, final_names)
             raise
         _close_quietly(output, sources)
     with clock("finalize"):
         try:
-            agree(comm, lambda: _publish(output_dir, plan, output_format == "safetensors") if comm.rank == 0 else None, root=0)
+            agree(comm, lambda: _publish(output_dir, plan, output_format == "safetensors") if comm.rank == owner else None, root=owner)
         except MpiconsError:
-            if comm.rank == 0:
+            if comm.rank == owner:
                 _remove_partials(output_dir, final_names)
             raise
     stats = reduce_stats(comm, clock, written, len(plan.files), len(plan.tensors), plan.total_bytes)
@@ -196,26 +213,47 @@ def consolidate(
         stats=stats,
         plan=plan,
         hints=in_effect,
+        bytes_per_rank=routes.written.tolist() if routes is not None else plan.bytes_per_rank(),
+        moved_bytes=routes.moved_bytes if routes is not None else 0,
+        shared_input=table.holders is None,
     )
 
 
+def _block_bytes(buffer_size: int) -> int:
+    """Block size for routed work: six blocks (assembly, reads, receives, two sends, conversion) fit the buffer."""
+    return max(MIN_BUFFER, buffer_size // 6)
+
+
 def _write_share(
-    plan: Plan, sources: SourceFiles, output: object, buffer_size: int, comm: Comm, progress: float | None, verbose: bool
+    plan: Plan,
+    routes: Routes | None,
+    sources: SourceFiles,
+    output: object,
+    buffer_size: int,
+    comm: Comm,
+    progress: float | None,
+    verbose: bool,
 ) -> int:
-    """This rank's work items; with progress, reports flow to rank 0 while writing."""
-    if not progress:
-        return Executor(plan, sources, output, buffer_size).run(plan.work[comm.rank])  # type: ignore[arg-type]
-    channel = comm.Dup()
-    reporter = Progress(channel, plan.total_bytes, progress, verbose=verbose)
+    """This rank's share of the writing; with progress, reports flow to rank 0 meanwhile."""
+    channel = comm.Dup() if progress or routes is not None else comm
+    reporter = Progress(channel, plan.total_bytes, progress, verbose=verbose) if progress else None
+    on_bytes = reporter.add if reporter is not None else None
     ok = False
     try:
-        written = Executor(plan, sources, output, buffer_size, reporter.add).run(plan.work[comm.rank])  # type: ignore[arg-type]
+        if routes is None:
+            written = Executor(plan, sources, output, buffer_size, on_bytes).run(plan.work[comm.rank])  # type: ignore[arg-type]
+        else:
+            with signals_deferred():
+                executor = ExchangeExecutor(plan, routes, sources, output, _block_bytes(buffer_size), channel, on_bytes)  # type: ignore[arg-type]
+                written = executor.run_routes()
         ok = True
         return written
     finally:
         # Always report the end (so rank 0 never waits for a rank that failed); rank 0 waits only on success.
-        reporter.finish(wait_for_others=ok)
-        channel.Free()
+        if reporter is not None:
+            reporter.finish(wait_for_others=ok)
+        if channel is not comm:
+            channel.Free()
 
 
 def _close_quietly(output: object, sources: SourceFiles) -> None:

@@ -17,6 +17,8 @@ from .errors import InputError
 
 #: safetensors refuses headers larger than this (``MAX_HEADER_SIZE`` in the reference reader).
 MAX_HEADER_SIZE = 100_000_000
+#: Shapes and offsets are held in int64 columns: dimensions must stay below this.
+MAX_DIM = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -120,13 +122,14 @@ def parse_header(raw: bytes, file_size: int, path: str = "<bytes>") -> Header:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
     except UnicodeDecodeError as exc:
         raise _bad(path, f"header is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except (json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError also covers ints past Python's digit limit
         raise _bad(path, f"header is not valid JSON ({exc})") from None
     except _DuplicateKey as exc:
         raise _bad(path, f"header names {exc.args[0]!r} twice") from None
     if not isinstance(obj, dict):
         raise _bad(path, "header is not a JSON object")
-    metadata = obj.pop("__metadata__", None) or {}
+    metadata = obj.pop("__metadata__", None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -142,12 +145,16 @@ def parse_header(raw: bytes, file_size: int, path: str = "<bytes>") -> Header:
             kind = "overlaps the previous tensor" if entry.begin < position else "leaves a gap before it"
             raise _bad(path, f"tensor {entry.name!r}: data_offsets {entry.begin}..{entry.end} {kind} (expected start {position})")
         position = entry.end
-    if data_start + position != file_size:
+    if data_start + position > file_size:
+        # Name the first tensor whose bytes are missing: that is what a truncated file has lost.
+        cut = next(e for e in ordered if data_start + e.end > file_size)
         raise _bad(
             path,
-            f"file is {file_size} bytes but the header describes {data_start + position}"
-            + (" (truncated?)" if file_size < data_start + position else " (trailing bytes)"),
+            f"tensor {cut.name!r}: data_offsets {cut.begin}..{cut.end} run past the end of the file "
+            f"({file_size} bytes, the header describes {data_start + position}; truncated?)",
         )
+    if data_start + position < file_size:
+        raise _bad(path, f"file is {file_size} bytes but the header describes {data_start + position} (trailing bytes)")
     return Header(metadata, tuple(entries), data_start, file_size)
 
 
@@ -157,8 +164,8 @@ def _parse_entry(path: str, name: str, info: object) -> TensorEntry:
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     if dtype not in DTYPE_BY_NAME:
         raise _bad(path, f"tensor {name!r}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-        raise _bad(path, f"tensor {name!r}: shape {shape!r} is not a list of non-negative integers")
+    if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape):
+        raise _bad(path, f"tensor {name!r}: shape {shape!r} is not a list of non-negative 64-bit integers")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
@@ -187,9 +194,13 @@ def read_header(path: str | os.PathLike[str]) -> Header:
             raise _bad(label, f"file is {size} bytes, too short for a safetensors header")
         (length,) = struct.unpack("<Q", prefix)
         if length > MAX_HEADER_SIZE:
-            raise _bad(label, f"header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes")
+            raise _bad(
+                label, f"header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes (not a safetensors file?)"
+            )
         if 8 + length > size:
-            raise _bad(label, f"header length {length} runs past the end of the {size}-byte file (truncated?)")
+            raise _bad(
+                label, f"header length {length} runs past the end of the {size}-byte file (truncated, or not a safetensors file?)"
+            )
         raw = handle.read(length)
     if len(raw) != length:
         raise _bad(label, "file shrank while its header was read")

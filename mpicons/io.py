@@ -74,19 +74,26 @@ class PosixOutput:
     name = "posix"
 
     def __init__(
-        self, comm: Comm, paths: Sequence[str], headers: Sequence[bytes], sizes: Sequence[int], preallocated: bool = False
+        self,
+        comm: Comm,
+        paths: Sequence[str],
+        headers: Sequence[bytes],
+        sizes: Sequence[int],
+        preallocated: bool = False,
+        owner: int = 0,
     ) -> None:
         self.comm = comm
         self.paths = paths
         self.headers = headers
         self.sizes = sizes
         self.preallocated = preallocated
+        self.owner = owner
         self._fds: dict[int, int] = {}
         self._copy_range = hasattr(os, "copy_file_range")
 
     def create(self) -> None:
-        """Rank 0 writes each header and sizes each file to its final length (others do nothing)."""
-        if self.comm.rank != 0 or self.preallocated:
+        """The owner writes each header and sizes each file to its final length (others do nothing)."""
+        if self.comm.rank != self.owner or self.preallocated:
             return
         for path, header, size in zip(self.paths, self.headers, self.sizes):
             try:
@@ -257,10 +264,14 @@ def open_output(
     sizes: Sequence[int],
     hints: Mapping[str, str] | None = None,
     preallocated: bool = False,
+    owner: int = 0,
 ) -> PosixOutput | MpiioOutput:
-    """An output backend; ``preallocated`` outputs already exist with their layout (HDF5) and are only opened."""
+    """An output backend; ``preallocated`` outputs already exist with their layout (HDF5) and are only opened.
+
+    ``owner`` creates the posix outputs (the rank whose disk holds them with ``gather_to``).
+    """
     if kind == "posix":
-        return PosixOutput(comm, paths, headers, sizes, preallocated)
+        return PosixOutput(comm, paths, headers, sizes, preallocated, owner)
     if kind == "mpiio":
         return MpiioOutput(comm, paths, headers, sizes, hints, preallocated)
     raise ValueError(f"unknown I/O backend {kind!r} (choose from {', '.join(BACKENDS)})")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import signal
 import traceback
-from typing import Any, Callable, TypeVar
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, TypeVar
 
 from mpi4py import MPI
 
@@ -43,6 +44,22 @@ def _on_signal(signum: int, frame: object) -> None:
 def _raise_pending() -> None:
     if _Signals.pending is not None:
         raise Interrupted(f"interrupted by {signal.Signals(_Signals.pending).name}")
+
+
+def pending_signal() -> signal.Signals | None:
+    """A signal caught but not yet raised (code that must not be interrupted polls this)."""
+    return signal.Signals(_Signals.pending) if _Signals.pending is not None else None
+
+
+@contextmanager
+def signals_deferred() -> Iterator[None]:
+    """Inside, caught signals are only recorded: for code whose MPI message pattern must complete."""
+    previous = _Signals.inside_phase
+    _Signals.inside_phase = False
+    try:
+        yield
+    finally:
+        _Signals.inside_phase = previous
 
 
 def install_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)) -> None:

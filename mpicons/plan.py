@@ -8,6 +8,7 @@ bytes and tensor offsets) and which rows of which tensor each rank writes.
 from __future__ import annotations
 
 import itertools
+import math
 import re
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
@@ -17,7 +18,7 @@ import numpy as np
 from .convert import converted_dtype
 from .errors import InputError
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
-from .scan import PieceTable
+from .scan import DCP_SHARD_NAME, PieceTable
 
 #: What Hugging Face ``save_pretrained`` writes; transformers refuses files without it.
 OUTPUT_METADATA = {"format": "pt"}
@@ -117,6 +118,14 @@ class Plan:
 # ---------------------------------------------------------------- mapping
 
 
+class FileMapping(dict):  # type: ignore[type-arg]  # dict[str, str]
+    """A parsed mapping that remembers where it came from, so the plan's errors about it name the file."""
+
+    def __init__(self, items: Mapping[str, str], source: str) -> None:
+        super().__init__(items)
+        self.source = source
+
+
 def parse_mapping(obj: object, source: str = "mapping") -> dict[str, str]:
     """Tensor name → output file name, from torch's ``fqn_to_index_mapping`` or an HF index.
 
@@ -129,17 +138,25 @@ def parse_mapping(obj: object, source: str = "mapping") -> dict[str, str]:
             if not isinstance(file_name, str) or not _plain_file_name(file_name):
                 raise InputError(f"{source}: tensor {name!r} maps to {file_name!r}, which is not a plain file name")
             result[name] = file_name
-        return result
+        return FileMapping(result, source)
     if isinstance(obj, dict) and obj and all(type(v) is int for v in obj.values()):
         if min(obj.values()) < 1:
             raise InputError(f"{source}: file indices start at 1 (got {min(obj.values())})")
         count = max(obj.values())
-        return {name: output_name(index, count) for name, index in obj.items()}
+        return FileMapping({name: output_name(index, count) for name, index in obj.items()}, source)
     raise InputError(f"{source}: expected {{tensor: file index}} or a model.safetensors.index.json with a weight_map")
 
 
 def _plain_file_name(name: str) -> bool:
-    return bool(name) and name not in (".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+    """A name inside the output directory that is neither hidden (temporary outputs are) nor the index."""
+    return (
+        bool(name)
+        and not name.startswith(".")
+        and name != INDEX_NAME
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+    )
 
 
 def output_name(index: int, count: int) -> str:
@@ -167,7 +184,9 @@ def build_plan(
         raise InputError("--mapping and --max-shard-size both decide the output files: give one")
     if table.num_pieces == 0:
         raise InputError("the checkpoint holds no tensors")
-    order = np.argsort(table.piece_tensor, kind="stable")
+    _check_files(table, mapping)
+    # By tensor, then file: the same order (and the same replica kept) whatever the number of scanning ranks.
+    order = np.lexsort((table.piece_file, table.piece_tensor))
     tensor = table.piece_tensor[order]
     dtypes = table.piece_dtype[order]
     ndim = table.piece_ndim[order]
@@ -183,16 +202,24 @@ def build_plan(
     _check_agreement(table, "number of dimensions", ndim, tensor, first, files, int)
 
     # Identical replicas (same tensor, offsets and shape) count once: keep the first file's copy.
-    keys = np.concatenate([tensor[:, None].astype(np.int64), offset, shape], axis=1)
-    _, keep = np.unique(keys, axis=0, return_index=True)
-    keep.sort()
-    tensor, dtypes, ndim, shape, offset, files, begin = (
-        a[keep] for a in (tensor, dtypes, ndim, shape, offset, files, begin)
-    )
-    starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
-    first = starts[:-1]
-
+    # Only tensors whose pieces hold more elements than the tensor can have any: sort just those.
     full = np.maximum.reduceat(offset + shape, first, axis=0)
+    with np.errstate(over="ignore"):
+        volume = np.where((shape == 0).any(axis=1), 0, np.prod(shape, axis=1))
+        suspect = np.add.reduceat(volume, first) > np.prod(full, axis=1)
+    rows = np.flatnonzero(suspect[tensor])
+    first_copy = np.arange(len(tensor))
+    if len(rows):
+        keys = np.concatenate([tensor[rows, None].astype(np.int64), offset[rows], shape[rows]], axis=1)
+        first_copy[rows] = rows[_first_identical_row(keys)]
+        _check_copied_files(table, tensor, ndim, shape, offset, files, first_copy)
+        keep = np.flatnonzero(first_copy == np.arange(len(first_copy)))
+        tensor, dtypes, ndim, shape, offset, files, begin = (
+            a[keep] for a in (tensor, dtypes, ndim, shape, offset, files, begin)
+        )
+        starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
+        first = starts[:-1]
+
     empty_piece = (shape == 0).any(axis=1)
     # A tensor whose every piece is empty has size 0 along some dimension; reduceat gave that.
     tensors = []
@@ -207,13 +234,21 @@ def build_plan(
                 unit=0,
             )
         )
-    _check_coverage(table, tensors, full, starts, shape, offset, files, empty_piece)
+    try:
+        _check_coverage(table, tensors, full, starts, shape, offset, files, empty_piece)
+    except InputError as exc:
+        missing = missing_shards(table.files)
+        if missing:
+            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
+            raise InputError(f"{exc}; shard files missing from the set (seen by no rank): {', '.join(missing[:3])}{more}") from None
+        raise
     tensors, shape, offset = _to_storage_units(table, tensors, tensor, shape, offset, files)
     tensors = [_converted(t, dtype) for t in tensors]
 
-    nonempty = ~empty_piece
-    tensor, shape, offset, files, begin = (a[nonempty] for a in (tensor, shape, offset, files, begin))
-    starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
+    if empty_piece.any():
+        nonempty = ~empty_piece
+        tensor, shape, offset, files, begin = (a[nonempty] for a in (tensor, shape, offset, files, begin))
+        starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
 
     assignment = _assign_files(table, tensors, mapping, table.piece_tensor, table.piece_file)
     if max_shard_size is not None:
@@ -235,6 +270,100 @@ def build_plan(
         raise InputError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})") from None
     plan.work = policy(plan, ranks)
     return plan
+
+
+def _check_files(table: PieceTable, mapping: Mapping[str, str] | None) -> None:
+    """File-level consistency, checked before any tensor so that a stray file is named as such."""
+    dcp = table.file_is_dcp
+    if dcp.any() and not dcp.all():
+        stray = table.files[int(np.argmin(dcp))]
+        raise InputError(f"{stray}: not a DCP shard: its header has no DCP_SHARDING_INFO, unlike the other shard files")
+    named = table.file_out_index >= 0
+    if mapping is not None or not named.any():
+        return  # file names do not decide the output
+    if not named.all():
+        stray = table.files[int(np.argmin(named))]
+        raise InputError(
+            f"{stray}: not named like a DCP shard (shard-RRRRR-model-IIIII-of-NNNNN.safetensors) among DCP shards, "
+            "so its output file is unknown (rename it or give --mapping)"
+        )
+    count, index = table.file_out_count, table.file_out_index
+    odd = np.nonzero(count != count[0])[0]
+    if len(odd):
+        f = int(odd[0])
+        raise InputError(f"{table.files[f]}: names {count[f]} output files but {table.files[0]} names {count[0]}")
+    outside = np.nonzero((index < 1) | (index > count))[0]
+    if len(outside):
+        f = int(outside[0])
+        raise InputError(f"{table.files[f]}: output file index {index[f]} is outside 1..{count[f]}")
+
+
+def _check_copied_files(
+    table: PieceTable,
+    tensor: np.ndarray,
+    ndim: np.ndarray,
+    shape: np.ndarray,
+    offset: np.ndarray,
+    files: np.ndarray,
+    original: np.ndarray,
+) -> None:
+    """A shard file whose every non-empty piece repeats one of another file is a copy, not a rank's share.
+
+    ``original[i]`` is the first piece identical to piece ``i`` (pieces are in file order). torch
+    writes replicated tensors once, so a file of nothing but repeats was saved twice (e.g. under
+    another rank number), which can hide the loss of the file it replaced.
+    """
+    real = ~(shape == 0).any(axis=1)
+    repeat = real & (original != np.arange(len(original)))
+    held = np.bincount(files, weights=real, minlength=len(table.files))
+    repeated = np.bincount(files, weights=repeat, minlength=len(table.files))
+    copies = np.nonzero((held > 0) & (repeated == held))[0]
+    if len(copies):
+        f = int(copies[0])
+        i = int(np.nonzero((files == f) & real)[0][0])
+        j = int(original[i])
+        raise InputError(
+            f"{table.files[f]}: every piece in it duplicates a piece of another shard file (tensor "
+            f"{table.names[tensor[i]]!r} at {_region(offset[i], offset[i] + shape[i], int(ndim[i]))} is also in "
+            f"{table.files[files[j]]}); is it a copy saved under another name?"
+        )
+
+
+def _first_identical_row(keys: np.ndarray) -> np.ndarray:
+    """For every row of ``keys``, the index of the first row equal to it (a stable lexsort; no Python loop)."""
+    order = np.lexsort(keys.T[::-1])
+    ordered = keys[order]
+    starts_group = np.ones(len(keys), dtype=bool)
+    starts_group[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    group = np.cumsum(starts_group) - 1
+    first = np.empty(len(keys), dtype=np.int64)
+    first[order] = order[starts_group][group]
+    return first
+
+
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    values = np.sort(values)
+    return values[np.concatenate(([True], values[1:] != values[:-1]))]
+
+
+def missing_shards(files: Sequence[str]) -> list[str]:
+    """DCP shard names absent from the grid the present ones span (training ranks × output files).
+
+    A training rank with no piece of some output file writes no file for it, so this is only a
+    hint, given when coverage fails; a missing *last* rank cannot be seen this way at all.
+    """
+    found = [m for m in map(DCP_SHARD_NAME.match, files) if m]
+    if not found:
+        return []
+    ranks = max(int(m.group(1)) for m in found)
+    count = max(int(m.group(3)) for m in found)
+    present = set(files)
+    return [
+        name
+        for rank in range(1, ranks + 1)
+        for index in range(1, count + 1)
+        if (name := f"shard-{rank:05d}-model-{index:05d}-of-{count:05d}.safetensors") not in present
+    ]
 
 
 def _check_agreement(
@@ -273,6 +402,14 @@ def _check_coverage(
     """Every element of every tensor covered exactly once, else an error naming the region and files."""
     volume = np.where(empty_piece, 0, np.prod(shape, axis=1))
     covered = np.add.reduceat(volume, starts[:-1])
+    # Offsets far past the data would overflow int64 element counts; no file holds 2**62 elements, so: a hole.
+    huge = np.nonzero(np.prod(full.astype(np.float64), axis=1) >= 2.0**62)[0]
+    if len(huge):
+        t = int(huge[0])
+        raise InputError(
+            f"tensor {tensors[t].name!r} (shape {list(tensors[t].shape)}): hole: pieces cover {int(covered[t])} "
+            f"of {math.prod(tensors[t].shape)} elements"
+        )
     expected = np.prod(full, axis=1)
     # Fast path: one piece that is the whole tensor.
     count = np.diff(starts)
@@ -309,17 +446,21 @@ def _check_one(
     if len(offset) == 0:
         raise InputError(f"{where}: no piece holds any data")
     end = offset + shape
-    cuts = [np.unique(np.concatenate(([0, full[d]], offset[:, d], end[:, d]))) for d in range(rank)]
+    cuts = [_sorted_unique(np.concatenate(([0, full[d]], offset[:, d], end[:, d]))) for d in range(rank)]
     grid = [len(c) - 1 for c in cuts]
     if int(np.prod(grid, dtype=np.int64)) > MAX_GRID_CELLS:
         _check_pairwise(table, where, offset, shape, files, covered, expected, rank)
         return
     low = np.stack([np.searchsorted(cuts[d], offset[:, d]) for d in range(rank)], axis=1)
     high = np.stack([np.searchsorted(cuts[d], end[:, d]) for d in range(rank)], axis=1)
-    diff = np.zeros([g + 1 for g in grid], dtype=np.int32)
-    for corner in itertools.product((0, 1), repeat=rank):
-        index = tuple(np.where(corner[d], high[:, d], low[:, d]) for d in range(rank))
-        np.add.at(diff, index, -1 if sum(corner) % 2 else 1)
+    # +1/-1 at the 2^rank corners of every piece's cell box, summed by bincount (np.add.at is slow).
+    dims = [g + 1 for g in grid]
+    corners = list(itertools.product((0, 1), repeat=rank))
+    flat = np.concatenate(
+        [np.ravel_multi_index(tuple(np.where(c[d], high[:, d], low[:, d]) for d in range(rank)), dims) for c in corners]
+    )
+    signs = np.repeat([-1 if sum(c) % 2 else 1 for c in corners], len(low))
+    diff = np.bincount(flat, weights=signs, minlength=int(np.prod(dims))).astype(np.int64).reshape(dims)
     for d in range(rank):
         diff = np.cumsum(diff, axis=d)
     counts = diff[tuple(slice(0, g) for g in grid)]
@@ -406,30 +547,23 @@ def _assign_files(
     """Output file name of each tensor: from the mapping, or from the DCP shard names."""
     names = [t.name for t in tensors]
     if mapping is not None:
-        missing = [n for n in names if n not in mapping]
+        source = getattr(mapping, "source", "mapping")
+        missing = sorted(set(names) - set(mapping))
         if missing:
             raise InputError(
-                f"mapping has no entry for tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+                f"{source}: no entry for tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
             )
         extra = sorted(set(mapping) - set(names))
         if extra:
             raise InputError(
-                f"mapping names tensor {extra[0]!r}, which the checkpoint does not hold"
+                f"{source}: names tensor {extra[0]!r}, which the checkpoint does not hold"
                 + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
             )
         return [mapping[n] for n in names]
-    dcp_named = table.file_out_index >= 0
-    if dcp_named.any() and not dcp_named.all():
-        stray = table.files[int(np.nonzero(~dcp_named)[0][0])]
-        raise InputError(f"{stray}: not a DCP shard file (shard-RRRRR-model-IIIII-of-NNNNN.safetensors) among DCP shards")
-    if not dcp_named.any():
+    if not (table.file_out_index >= 0).any():
         # Plain safetensors files: each tensor stays in the file it came from.
-        per_tensor = _per_tensor_source(table, len(tensors), piece_tensor, piece_file, lambda f: table.files[f])
-        return per_tensor
-    counts = np.unique(table.file_out_count)
-    if len(counts) != 1:
-        raise InputError(f"shard files disagree on the number of output files: {', '.join(map(str, counts))}")
-    count = int(counts[0])
+        return _per_tensor_source(table, len(tensors), piece_tensor, piece_file, lambda f: table.files[f])
+    count = int(table.file_out_count[0])  # _check_files made every file DCP-named, with one count
     return _per_tensor_source(
         table, len(tensors), piece_tensor, piece_file, lambda f: output_name(int(table.file_out_index[f]), count)
     )

@@ -7,6 +7,7 @@ is read once however many ranks there are and every rank ends up with the same t
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -14,9 +15,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from mpi4py import MPI
 
 from .errors import InputError
-from .format import DTYPE_ORDER, DTYPES, read_header
+from .format import DTYPE_ORDER, DTYPES, MAX_DIM, read_header
 from .parallel import Comm, agree
 
 #: ``shard-RRRRR-model-IIIII-of-NNNNN.safetensors`` as written by torch's HuggingFaceStorageWriter.
@@ -46,13 +48,17 @@ class PieceTable:
     piece_shape: np.ndarray  # int64[P, D]
     piece_offset: np.ndarray  # int64[P, D]
     piece_begin: np.ndarray  # int64[P], absolute byte offset in its file
+    #: This rank's input directory (``{rank}`` resolved).
+    directory: str = ""
+    #: Ranks that can read each file; None when every rank can (a shared filesystem).
+    holders: list[np.ndarray] | None = None
 
     @property
     def num_pieces(self) -> int:
         return len(self.piece_file)
 
 
-def list_shards(input_dir: str) -> list[str]:
+def list_shards(input_dir: str, allow_empty: bool = False) -> list[str]:
     """The ``*.safetensors`` files directly in ``input_dir``, sorted by name."""
     if not os.path.isdir(input_dir):
         raise InputError(f"{input_dir}: input directory does not exist or is not a directory")
@@ -64,7 +70,7 @@ def list_shards(input_dir: str) -> list[str]:
         )
     except OSError as exc:
         raise InputError(f"{input_dir}: cannot list input directory ({exc.strerror})") from None
-    if not names:
+    if not names and not allow_empty:
         raise InputError(f"{input_dir}: no *.safetensors files found")
     return names
 
@@ -75,15 +81,18 @@ def _sharding_info(path: str, metadata: dict[str, str]) -> dict[str, list[int]] 
         return None
     try:
         info = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+    except (ValueError, RecursionError):  # ValueError also covers ints past Python's digit limit
         raise InputError(f"{path}: {SHARDING_KEY} is not valid JSON") from None
     if not isinstance(info, dict):
         raise InputError(f"{path}: {SHARDING_KEY} is not a JSON object")
     offsets: dict[str, list[int]] = {}
     for name, entry in info.items():
         saved = entry.get("saved_offsets") if isinstance(entry, dict) else None
-        if not isinstance(saved, list) or not all(type(o) is int and o >= 0 for o in saved):
-            raise InputError(f"{path}: {SHARDING_KEY} entry for tensor {name!r} has no valid saved_offsets")
+        if not isinstance(saved, list) or not all(type(o) is int and 0 <= o < MAX_DIM for o in saved):
+            raise InputError(
+                f"{path}: {SHARDING_KEY} entry for tensor {name!r} has invalid saved_offsets {saved!r} "
+                "(expected a list of non-negative integers)"
+            )
         offsets[name] = saved
     return offsets
 
@@ -121,6 +130,11 @@ def read_table(input_dir: str, files: Sequence[str]) -> PieceTable:
                         f"{path}: tensor {entry.name!r} has {len(entry.shape)} dimensions but "
                         f"saved_offsets {offsets} has {len(offsets)}"
                     )
+                if any(o + d >= MAX_DIM for o, d in zip(offsets, entry.shape)):
+                    raise InputError(
+                        f"{path}: tensor {entry.name!r}: saved_offsets {offsets} with shape {list(entry.shape)} "
+                        "reach past 2**63 elements"
+                    )
             tensor_id = name_ids.get(entry.name)
             if tensor_id is None:
                 tensor_id = name_ids[entry.name] = len(names)
@@ -137,11 +151,9 @@ def read_table(input_dir: str, files: Sequence[str]) -> PieceTable:
                 raise InputError(f"{path}: {SHARDING_KEY} names tensor {sorted(extra)[0]!r} that the file does not hold")
     ndims = np.array([len(s) for s in p_shape], dtype=np.int8)
     width = max(1, int(ndims.max(initial=0)))
-    shape = np.ones((len(p_shape), width), dtype=np.int64)
-    offset = np.zeros((len(p_shape), width), dtype=np.int64)
-    for row, (s, o) in enumerate(zip(p_shape, p_offset)):
-        shape[row, : len(s)] = s
-        offset[row, : len(o)] = o
+    # Pad to a common width (trailing 1s / 0s keep the C-order layout); numpy converts the lists in C.
+    shape = np.array([(*s, *(1,) * (width - len(s))) for s in p_shape], dtype=np.int64).reshape(-1, width)
+    offset = np.array([(*o, *(0,) * (width - len(o))) for o in p_offset], dtype=np.int64).reshape(-1, width)
     return PieceTable(
         files=list(files),
         file_size=np.array(sizes, dtype=np.int64),
@@ -198,15 +210,91 @@ def merge_tables(parts: Sequence[PieceTable]) -> PieceTable:
     )
 
 
+def rank_directory(input_dir: str, rank: int) -> str:
+    """``input_dir`` with ``{rank}`` replaced: each rank's own directory of node-local shards."""
+    return input_dir.replace("{rank}", str(rank))
+
+
+def _listing(directory: str) -> tuple[list[str], list[int]]:
+    names = list_shards(directory, allow_empty=True)
+    return names, [os.path.getsize(os.path.join(directory, n)) for n in names]
+
+
+def discover(input_dir: str, comm: Comm) -> tuple[list[str], list[np.ndarray] | None]:
+    """Every shard file name, and which ranks can read each (None: all of them).
+
+    Each rank looks at its own directory (one lister per node unless ``{rank}`` is in the path), so
+    node-local disks are seen as they are; the same name and size on several ranks is one file.
+    """
+    directory = rank_directory(input_dir, comm.rank)
+    per_rank = "{rank}" in input_dir
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED) if not per_rank else None
+    try:
+        if node is None:
+            listing = agree(comm, lambda: _listing(directory))
+        else:
+            listing = agree(comm, lambda: _listing(directory) if node.rank == 0 else None)
+            listing = node.bcast(listing, root=0)
+    finally:
+        if node is not None:
+            node.Free()
+    digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+    if len(set(comm.allgather(digest))) == 1:
+        agree(comm, lambda: _nonempty(listing[0], directory))
+        return listing[0], None
+    listings = comm.allgather(listing)
+    return agree(comm, lambda: _holders(input_dir, listings))
+
+
+def _nonempty(names: list[str], directory: str) -> None:
+    if not names:
+        raise InputError(f"{directory}: no *.safetensors files found")
+
+
+def _holders(input_dir: str, listings: list[tuple[list[str], list[int]]]) -> tuple[list[str], list[np.ndarray]]:
+    """Merge every rank's listing: one file per name, seen by the ranks that list it (sizes must agree)."""
+    sizes: dict[str, dict[int, list[int]]] = {}
+    for rank, (names, file_sizes) in enumerate(listings):
+        for name, size in zip(names, file_sizes):
+            sizes.setdefault(name, {}).setdefault(size, []).append(rank)
+    files = sorted(sizes)
+    if not files:
+        raise InputError(f"{input_dir}: no *.safetensors files found on any rank")
+    for name in files:
+        if len(sizes[name]) > 1:
+            variants = "; ".join(f"{size} bytes on ranks {ranks}" for size, ranks in sorted(sizes[name].items()))
+            raise InputError(f"{name}: ranks see different files under this name ({variants})")
+    return files, [np.array(next(iter(sizes[name].values())), dtype=np.int32) for name in files]
+
+
+def _assign_readers(holders: list[np.ndarray], ranks: int) -> list[int]:
+    """One reading rank per file among those that see it, balancing the number of files."""
+    count = np.zeros(ranks, dtype=np.int64)
+    readers = []
+    for candidates in holders:
+        reader = int(candidates[np.argmin(count[candidates])])
+        count[reader] += 1
+        readers.append(reader)
+    return readers
+
+
 def scan(input_dir: str, comm: Comm) -> PieceTable:
-    """List the shards and read every header once, split over ``comm``; same table on every rank."""
-    files = agree(comm, lambda: list_shards(input_dir) if comm.rank == 0 else None, root=0)
-    mine = files[comm.rank :: comm.size]
-    local = agree(comm, lambda: read_table(input_dir, mine), gather=True)
-    # Rank r read files r, r+size, ...: restore the sorted file order so file ids match on every rank.
+    """Find the shards and read every header once, split over ``comm``; same table on every rank."""
+    files, holders = discover(input_dir, comm)
+    if holders is None:
+        readers = [i % comm.size for i in range(len(files))]
+    else:
+        readers = _assign_readers(holders, comm.size)
+    mine = [name for name, reader in zip(files, readers) if reader == comm.rank]
+    directory = rank_directory(input_dir, comm.rank)
+    local = agree(comm, lambda: read_table(directory, mine), gather=True)
     table = merge_tables(local)
-    order = [i for r in range(comm.size) for i in range(r, len(files), comm.size)]
-    return _reorder_files(table, order)
+    # The merged table lists files rank by rank: renumber so file id i is files[i] on every rank.
+    position = {name: i for i, name in enumerate(files)}
+    table = _reorder_files(table, [position[name] for name in table.files])
+    table.directory = directory
+    table.holders = holders
+    return table
 
 
 def _reorder_files(table: PieceTable, order: list[int]) -> PieceTable:

@@ -1,16 +1,32 @@
-"""Checking a consolidated checkpoint: file structure, index, and tensor values."""
+"""Checking a consolidated checkpoint: file structure, index, and tensor values.
+
+:func:`verify` is collective. Rank 0 lists the directory and reads the index; the output headers
+are read round-robin over the ranks; with ``against`` every rank compares its byte-balanced share
+of tensor rows with the shards, block by block. Every problem is collected rather than the first
+one raised, so one run tells the whole story, and every rank returns the same report.
+"""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
+from dataclasses import dataclass, field
 
 import numpy as np
+from mpi4py import MPI
 
-from .errors import InputError
-from .format import Header, read_header
+from .consolidation import DEFAULT_BUFFER_SIZE, PARTIAL_SUFFIX
+from .errors import InputError, MpiconsError
+from .format import DTYPE_BY_NAME, Header, read_header
+from .io import SourceFiles
 from .parallel import Comm, agree
-from .plan import INDEX_NAME
+from .plan import INDEX_NAME, OUTPUT_METADATA, Plan, WorkItem, build_plan
+from .scan import scan
+
+#: Smallest comparison buffer half: must hold one storage unit (≤ 8 bytes); tiny values are for tests.
+MIN_HALF_BUFFER = 64
 
 
 def read_index(output_dir: str) -> dict[str, object]:
@@ -20,7 +36,7 @@ def read_index(output_dir: str) -> dict[str, object]:
             return json.load(handle)
     except OSError as exc:
         raise InputError(f"{path}: cannot read index ({exc.strerror})") from None
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise InputError(f"{path}: index is not valid JSON ({exc})") from None
 
 
@@ -55,3 +71,562 @@ def check_sample(output_dir: str, config: object, comm: Comm) -> int:
 
     agree(comm, work)
     return len(specs)
+
+
+# ---------------------------------------------------------------- report
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the checkpoint: the file (or index) it is in, the tensor if any, and what."""
+
+    path: str
+    tensor: str | None
+    what: str
+
+    def __str__(self) -> str:
+        if self.tensor is None:
+            return f"{self.path}: {self.what}"
+        return f"{self.path}: tensor {self.tensor!r}: {self.what}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {"path": self.path, "tensor": self.tensor, "what": self.what}
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify`; identical on every rank. ``ok`` when ``problems`` is empty."""
+
+    output_dir: str
+    against: str | None
+    ranks: int
+    files: list[str]
+    tensors: int
+    total_bytes: int
+    shard_tensors: int = 0
+    compared_tensors: int = 0
+    compared_bytes: int = 0
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        """One line per problem: ``path: tensor 'x': what``."""
+        return [str(p) for p in self.problems]
+
+    def summary(self) -> str:
+        status = "OK" if self.ok else _count(len(self.problems), "problem")
+        checked = f"{_count(len(self.files), 'file')}, {_count(self.tensors, 'tensor')}, {_size(self.total_bytes)}"
+        if self.against is not None:
+            checked += (
+                f"; {self.compared_tensors} of {_count(self.shard_tensors, 'tensor')} ({_size(self.compared_bytes)}) "
+                f"compared with {self.against}"
+            )
+        return f"mpicons verify: {status}: {self.output_dir} ({checked}) on {_count(self.ranks, 'rank')}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "output_dir": self.output_dir,
+            "against": self.against,
+            "ranks": self.ranks,
+            "files": list(self.files),
+            "tensors": self.tensors,
+            "total_bytes": self.total_bytes,
+            "shard_tensors": self.shard_tensors,
+            "compared_tensors": self.compared_tensors,
+            "compared_bytes": self.compared_bytes,
+            "problems": [p.to_dict() for p in self.problems],
+        }
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
+
+
+# ---------------------------------------------------------------- structure checks
+
+
+@dataclass
+class _Listing:
+    """What rank 0 found in the directory and the index, shared with every rank."""
+
+    found: list[str]  # regular, non-hidden *.safetensors files
+    partials: list[str]
+    weight_map: dict[str, str] | None
+    total_size: int | None
+    listed_existing: list[str]  # files named by the weight map that exist (any extension)
+    listed_missing: list[str]
+    problems: list[Problem]
+
+
+@dataclass
+class _FileResult:
+    """One output file's header: its tensors ``(name, dtype, shape, begin, end)``, None when unreadable."""
+
+    name: str
+    tensors: list[tuple[str, str, tuple[int, ...], int, int]] | None
+    data_start: int
+    problems: list[Problem]
+
+
+@dataclass(frozen=True)
+class _Located:
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute offset of the tensor's data in its file
+    nbytes: int
+
+
+def _plain_file_name(name: object) -> bool:
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
+def _list_output(output_dir: str) -> _Listing:
+    """Rank 0: the directory's safetensors and partial files, and the index, parsed leniently."""
+    if not os.path.isdir(output_dir):
+        raise InputError(f"{output_dir}: output directory does not exist or is not a directory")
+    try:
+        entries = [(e.name, e.is_file()) for e in os.scandir(output_dir)]
+    except OSError as exc:
+        raise InputError(f"{output_dir}: cannot list output directory ({exc.strerror})") from None
+    found = sorted(n for n, is_file in entries if is_file and n.endswith(".safetensors") and not n.startswith("."))
+    partials = sorted(n for n, _ in entries if n.startswith(".") and n.endswith(PARTIAL_SUFFIX))
+    index_path = os.path.join(output_dir, INDEX_NAME)
+    problems: list[Problem] = []
+    weight_map: dict[str, str] | None = None
+    total_size: int | None = None
+    obj: object = None
+    if not os.path.lexists(index_path):
+        problems.append(Problem(index_path, None, "index is missing (the checkpoint is incomplete)"))
+    else:
+        try:
+            obj = read_index(output_dir)
+        except InputError as exc:
+            problems.append(Problem(index_path, None, _strip_path(str(exc), index_path)))
+    if obj is not None:
+        raw_map = obj.get("weight_map") if isinstance(obj, dict) else None
+        if not isinstance(raw_map, dict):
+            problems.append(Problem(index_path, None, "index has no weight_map object"))
+        else:
+            weight_map = {}
+            for tensor, file_name in raw_map.items():
+                if _plain_file_name(file_name):
+                    weight_map[tensor] = file_name
+                else:
+                    problems.append(Problem(index_path, tensor, f"weight_map value {file_name!r} is not a plain file name"))
+        metadata = obj.get("metadata") if isinstance(obj, dict) else None
+        size = metadata.get("total_size") if isinstance(metadata, dict) else None
+        if type(size) is int:
+            total_size = size
+        else:
+            problems.append(Problem(index_path, None, f"index has no integer metadata.total_size (got {size!r})"))
+    listed = sorted(set(weight_map.values())) if weight_map else []
+    existing = [n for n in listed if os.path.isfile(os.path.join(output_dir, n))]
+    missing = [n for n in listed if n not in set(existing)]
+    return _Listing(found, partials, weight_map, total_size, existing, missing, problems)
+
+
+#: ``tensor 'name': what`` as format's errors word it (the name is a Python repr).
+_TENSOR_PREFIX = re.compile(r"""^tensor ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"): (.*)$""", re.DOTALL)
+
+
+def _strip_path(message: str, path: str) -> str:
+    """mpicons errors start with the path; a Problem keeps the path apart."""
+    prefix = f"{path}: "
+    return message[len(prefix) :] if message.startswith(prefix) else message
+
+
+def _header_problem(path: str, message: str) -> Problem:
+    """A header error as a Problem, with the tensor it names (if any) in its own field."""
+    what = _strip_path(message, path)
+    match = _TENSOR_PREFIX.match(what)
+    if match:
+        try:
+            return Problem(path, ast.literal_eval(match.group(1)), match.group(2))
+        except (ValueError, SyntaxError):
+            pass
+    return Problem(path, None, what)
+
+
+def _check_file(output_dir: str, name: str) -> _FileResult:
+    """Header by the safetensors rules (offsets, sizes, length, dtypes, names) and ``format`` = ``pt``."""
+    path = os.path.join(output_dir, name)
+    try:
+        header = read_header(path)
+    except InputError as exc:
+        return _FileResult(name, None, 0, [_header_problem(path, str(exc))])
+    except OSError as exc:
+        return _FileResult(name, None, 0, [Problem(path, None, f"cannot read ({exc.strerror})")])
+    problems = []
+    expected = OUTPUT_METADATA["format"]
+    got = header.metadata.get("format")
+    if got != expected:
+        what = "has no __metadata__ 'format'" if got is None else f"__metadata__ 'format' is {got!r}"
+        problems.append(Problem(path, None, f"{what}; Hugging Face checkpoints need {expected!r}"))
+    tensors = [(e.name, e.dtype, e.shape, e.begin, e.end) for e in header.tensors]
+    return _FileResult(name, tensors, header.data_start, problems)
+
+
+def _cross_check(output_dir: str, listing: _Listing, results: list[_FileResult]) -> tuple[dict[str, _Located], list[Problem]]:
+    """Where every tensor is, and the problems between the files and the index (pure, same on every rank)."""
+    join = lambda name: os.path.join(output_dir, name)  # noqa: E731
+    index_path = join(INDEX_NAME)
+    problems = list(listing.problems) + [p for r in results for p in r.problems]
+    located: dict[str, _Located] = {}
+    listed = set(listing.weight_map.values()) if listing.weight_map is not None else set()
+    # Files the index lists come first, so a tensor duplicated in a stray file is located where it belongs.
+    for result in sorted(results, key=lambda r: (r.name not in listed, r.name)):
+        for tensor, dtype, shape, begin, end in result.tensors or ():
+            if tensor in located:
+                problems.append(Problem(join(result.name), tensor, f"also in {located[tensor].file}; a tensor must be in one file"))
+                continue
+            located[tensor] = _Located(result.name, dtype, shape, result.data_start + begin, end - begin)
+    problems += [Problem(join(n), None, "leftover partial file of an interrupted consolidation") for n in listing.partials]
+    weight_map = listing.weight_map
+    if weight_map is None:
+        return located, problems
+    counts: dict[str, int] = {}
+    for file_name in weight_map.values():
+        counts[file_name] = counts.get(file_name, 0) + 1
+    problems += [Problem(join(n), None, "not listed in the index (stray file)") for n in listing.found if n not in listed]
+    problems += [
+        Problem(join(n), None, f"listed in the index for {_count(counts[n], 'tensor')} but missing")
+        for n in listing.listed_missing
+    ]
+    readable = {r.name for r in results if r.tensors is not None}
+    for tensor, file_name in weight_map.items():
+        where = located.get(tensor)
+        if where is None:
+            if file_name in readable:
+                problems.append(Problem(index_path, tensor, f"weight_map names {file_name}, which does not hold the tensor"))
+        elif where.file != file_name:
+            problems.append(Problem(index_path, tensor, f"weight_map names {file_name} but the tensor is in {where.file}"))
+    for tensor, where in located.items():
+        if tensor not in weight_map and where.file in listed:
+            problems.append(Problem(join(where.file), tensor, "not in the index's weight_map"))
+    if listing.total_size is not None and listed <= readable:
+        actual = sum(w.nbytes for w in located.values() if w.file in listed)
+        if actual != listing.total_size:
+            problems.append(
+                Problem(index_path, None, f"metadata.total_size is {listing.total_size} but the files hold {actual} bytes of tensor data")
+            )
+    return located, problems
+
+
+# ---------------------------------------------------------------- value comparison
+
+
+@dataclass
+class _Diff:
+    """Differences found in part of one tensor: how many storage units, and the first one (C order)."""
+
+    count: int = 0
+    first: tuple[int, ...] | None = None
+    got: bytes = b""
+    want: bytes = b""
+    error: str | None = None
+
+    def add(self, count: int, first: tuple[int, ...], got: bytes, want: bytes) -> None:
+        self.count += count
+        if self.first is None or first < self.first:
+            self.first, self.got, self.want = first, got, want
+
+    def merge(self, other: "_Diff") -> None:
+        if other.count:
+            self.add(other.count, other.first, other.got, other.want)  # type: ignore[arg-type]
+        self.error = self.error or other.error
+
+
+class _Comparer:
+    """Compares output rows with shard pieces in blocks of at most ``buffer_size / 2`` bytes.
+
+    A block of output rows is read into one buffer, then each piece crossing it is read into the
+    other and compared with its region of the block (a numpy strided view): memory stays bounded
+    whatever the tensor size. A single row larger than the buffer is split along the next dimension.
+    """
+
+    def __init__(self, plan: Plan, sources: SourceFiles, outputs: SourceFiles, buffer_size: int) -> None:
+        half = max(MIN_HALF_BUFFER, buffer_size // 2)
+        self.plan = plan
+        self.sources = sources
+        self.outputs = outputs
+        self.block = np.empty(half, dtype=np.uint8)
+        self.scratch = np.empty(half, dtype=np.uint8)
+
+    def compare(self, item: WorkItem, out_file: int, out_start: int) -> _Diff:
+        plan = self.plan
+        tensor = plan.tensors[item.tensor]
+        lo, hi = plan.piece_start[item.tensor], plan.piece_start[item.tensor + 1]
+        diff = _Diff()
+        try:
+            self._region(
+                diff,
+                out_file,
+                out_start,
+                tensor.storage,
+                tensor.unit,
+                plan.piece_file[lo:hi],
+                plan.piece_begin[lo:hi],
+                plan.piece_shape[lo:hi],
+                plan.piece_offset[lo:hi],
+                item.row_begin,
+                item.row_end,
+                (),
+            )
+        except (MpiconsError, OSError) as exc:
+            diff.error = f"cannot compare: {exc}"
+        return diff
+
+    def _region(
+        self,
+        diff: _Diff,
+        file: int,
+        base: int,
+        storage: tuple[int, ...],
+        unit: int,
+        src: np.ndarray,
+        begin: np.ndarray,
+        shape: np.ndarray,
+        offset: np.ndarray,
+        row_begin: int,
+        row_end: int,
+        prefix: tuple[int, ...],
+    ) -> None:
+        """Rows [row_begin, row_end) of a region of shape ``storage`` whose row 0 is at ``base`` of the output."""
+        row_bytes = int(np.prod(storage[1:], dtype=np.int64)) * unit
+        piece_row_bytes = np.prod(shape[:, 1:], axis=1) * unit
+        hit = (offset[:, 0] < row_end) & (offset[:, 0] + shape[:, 0] > row_begin)
+        src, begin, shape, offset, piece_row_bytes = src[hit], begin[hit], shape[hit], offset[hit], piece_row_bytes[hit]
+        if row_bytes > len(self.block):
+            for row in range(row_begin, row_end):
+                inside = (offset[:, 0] <= row) & (row < offset[:, 0] + shape[:, 0])
+                self._region(
+                    diff,
+                    file,
+                    base + row * row_bytes,
+                    storage[1:],
+                    unit,
+                    src[inside],
+                    begin[inside] + (row - offset[inside, 0]) * piece_row_bytes[inside],
+                    shape[inside, 1:],
+                    offset[inside, 1:],
+                    0,
+                    storage[1],
+                    prefix + (row,),
+                )
+            return
+        rows_per_block = len(self.block) // row_bytes
+        for block_begin in range(row_begin, row_end, rows_per_block):
+            block_end = min(row_end, block_begin + rows_per_block)
+            rows = block_end - block_begin
+            raw = self.block[: rows * row_bytes]
+            self.outputs.read_into(file, base + block_begin * row_bytes, memoryview(raw))
+            block = raw.reshape((rows, *storage[1:], unit))
+            first = np.maximum(offset[:, 0], block_begin)
+            last = np.minimum(offset[:, 0] + shape[:, 0], block_end)
+            for i in np.nonzero(last > first)[0]:
+                count = int(last[i] - first[i])
+                chunk = self.scratch[: count * int(piece_row_bytes[i])]
+                self.sources.read_into(int(src[i]), int(begin[i] + (first[i] - offset[i, 0]) * piece_row_bytes[i]), memoryview(chunk))
+                want = chunk.reshape((count, *(int(s) for s in shape[i, 1:]), unit))
+                target = (slice(int(first[i]) - block_begin, int(last[i]) - block_begin),) + tuple(
+                    slice(int(o), int(o + s)) for o, s in zip(offset[i, 1:], shape[i, 1:])
+                )
+                got = block[target]
+                unequal = got != want
+                if not unequal.any():
+                    continue
+                bad = unequal.any(axis=-1)
+                local = np.unravel_index(int(np.argmax(bad)), bad.shape)  # first True in C order
+                where = (int(first[i]) + int(local[0]),) + tuple(int(o) + int(x) for o, x in zip(offset[i, 1:], local[1:]))
+                diff.add(int(np.count_nonzero(bad)), prefix + where, got[local].tobytes(), want[local].tobytes())
+
+
+def _local_work(plan: Plan, holders: list[np.ndarray], comparable: set[int], ranks: int) -> list[list[WorkItem]]:
+    """Node-local shards: each whole tensor goes to the least loaded rank that can read all its pieces.
+
+    Comparison reads shard bytes directly (no MPI transfer), so a tensor whose pieces no single rank
+    can see cannot be compared; that is an error of the arguments, not of the checkpoint.
+    """
+    load = np.zeros(ranks, dtype=np.int64)
+    work: list[list[WorkItem]] = [[] for _ in range(ranks)]
+    for t in sorted(comparable, key=lambda t: (-plan.tensors[t].nbytes, t)):
+        info = plan.tensors[t]
+        if not info.nbytes:
+            continue
+        files = np.unique(plan.piece_file[plan.piece_start[t] : plan.piece_start[t + 1]])
+        candidates = np.arange(ranks)
+        for f in files:
+            candidates = np.intersect1d(candidates, holders[int(f)])
+        if not len(candidates):
+            names = ", ".join(plan.source_files[int(f)] for f in files)
+            raise InputError(
+                f"tensor {info.name!r}: no rank can read all of its shard files ({names}); "
+                "--against needs each tensor's shards on one node or a shared filesystem"
+            )
+        rank = int(candidates[np.argmin(load[candidates])])
+        load[rank] += info.nbytes
+        work[rank].append(WorkItem(t, 0, info.rows))
+    return work
+
+
+def _compare_share(
+    plan: Plan,
+    items: list[WorkItem],
+    shard_dir: str,
+    output_dir: str,
+    located: dict[str, _Located],
+    comparable: set[int],
+    buffer_size: int,
+) -> dict[int, _Diff]:
+    """This rank's work items compared; differences per tensor."""
+    out_names = sorted({located[plan.tensors[t].name].file for t in comparable})
+    out_ids = {name: i for i, name in enumerate(out_names)}
+    sources, outputs = SourceFiles(shard_dir, plan.source_files), SourceFiles(output_dir, out_names)
+    comparer = _Comparer(plan, sources, outputs, buffer_size)
+    diffs: dict[int, _Diff] = {}
+    try:
+        for item in items:
+            if item.tensor not in comparable:
+                continue
+            where = located[plan.tensors[item.tensor].name]
+            diff = comparer.compare(item, out_ids[where.file], where.start)
+            if diff.count or diff.error:
+                diffs.setdefault(item.tensor, _Diff()).merge(diff)
+    finally:
+        sources.close()
+        outputs.close()
+    return diffs
+
+
+def _element_index(storage_index: tuple[int, ...], dtype: str, ndim: int) -> list[int]:
+    """A storage-unit index as an element index: padding dims dropped, sub-byte last dims in elements."""
+    index = list(storage_index[:ndim])
+    bits = DTYPE_BY_NAME[dtype].bits
+    if bits % 8 and index:
+        index[-1] = index[-1] * 8 // bits
+    return index
+
+
+def _against_checks(
+    plan: Plan, against: str, output_dir: str, listing: _Listing, results: list[_FileResult], located: dict[str, _Located]
+) -> tuple[set[int], list[Problem]]:
+    """Tensors present on both sides with the same dtype and shape (comparable), and the problems of the rest."""
+    join = lambda name: os.path.join(output_dir, name)  # noqa: E731
+    unreadable = set(listing.listed_missing) | {r.name for r in results if r.tensors is None}
+    weight_map = listing.weight_map or {}
+    problems: list[Problem] = []
+    comparable: set[int] = set()
+    names = set()
+    for t, info in enumerate(plan.tensors):
+        names.add(info.name)
+        where = located.get(info.name)
+        if where is None:
+            if weight_map.get(info.name) not in unreadable:  # else its file's problem says it all
+                problems.append(Problem(output_dir, info.name, f"in the shards ({info.dtype}{list(info.shape)}) but in no output file"))
+        elif (where.dtype, where.shape) != (info.dtype, info.shape):
+            problems.append(
+                Problem(join(where.file), info.name, f"is {where.dtype}{list(where.shape)} but the shards hold {info.dtype}{list(info.shape)}")
+            )
+        else:
+            comparable.add(t)
+    for tensor, where in located.items():
+        if tensor not in names:
+            problems.append(Problem(join(where.file), tensor, f"not in the shards in {against}"))
+    return comparable, problems
+
+
+def _diff_problems(plan: Plan, output_dir: str, located: dict[str, _Located], diffs: dict[int, _Diff]) -> list[Problem]:
+    problems = []
+    for t in sorted(diffs):
+        diff, info = diffs[t], plan.tensors[t]
+        path = os.path.join(output_dir, located[info.name].file)
+        if diff.error:
+            problems.append(Problem(path, info.name, diff.error))
+        if diff.count:
+            units = int(np.prod(info.storage, dtype=np.int64))
+            noun = "elements" if info.unit * 8 == DTYPE_BY_NAME[info.dtype].bits else "bytes"
+            index = _element_index(diff.first, info.dtype, len(info.shape))  # type: ignore[arg-type]
+            problems.append(
+                Problem(
+                    path,
+                    info.name,
+                    f"differs from the shards in {diff.count} of {units} {noun}; first at {index} "
+                    f"(output bytes {diff.got.hex()}, shards {diff.want.hex()})",
+                )
+            )
+    return problems
+
+
+# ---------------------------------------------------------------- the job
+
+
+def verify(
+    output_dir: str | os.PathLike[str],
+    *,
+    against: str | os.PathLike[str] | None = None,
+    comm: Comm | None = None,
+    buffer_size: int = DEFAULT_BUFFER_SIZE,
+) -> VerifyReport:
+    """Check the consolidated checkpoint in ``output_dir``; with ``against``, every tensor against the shards.
+
+    Collective over ``comm`` (default ``MPI.COMM_WORLD``). Problems with the checkpoint are collected
+    in the returned report (the same on every rank), not raised. Raises :class:`InputError` on every
+    rank when the arguments are unusable (missing directory, unreadable shards).
+    """
+    comm = MPI.COMM_WORLD if comm is None else comm
+    output_dir = os.fspath(output_dir)
+    against = None if against is None else os.fspath(against)
+    listing: _Listing = agree(comm, lambda: _list_output(output_dir) if comm.rank == 0 else None, root=0)
+    files = sorted(set(listing.found) | set(listing.listed_existing))
+    mine = files[comm.rank :: comm.size]
+    parts = agree(comm, lambda: [_check_file(output_dir, name) for name in mine], gather=True)
+    results = sorted((r for part in parts for r in part), key=lambda r: r.name)
+    located, problems = _cross_check(output_dir, listing, results)
+    report = VerifyReport(
+        output_dir=output_dir,
+        against=against,
+        ranks=comm.size,
+        files=files,
+        tensors=len(located),
+        total_bytes=sum(w.nbytes for w in located.values()),
+    )
+    if against is not None:
+        table = scan(against, comm)
+        plan = agree(comm, lambda: build_plan(table, comm.size))
+        comparable, more = _against_checks(plan, against, output_dir, listing, results, located)
+        problems += more
+        # Shards on a shared filesystem: the plan's byte-balanced rows. Node-local shards (``{rank}`` in
+        # the path, or different listings per node): whole tensors to ranks that can read them.
+        holders = getattr(table, "holders", None)
+        shard_dir = getattr(table, "directory", "") or against
+        work = plan.work if holders is None else agree(comm, lambda: _local_work(plan, holders, comparable, comm.size))
+        shares = agree(
+            comm,
+            lambda: _compare_share(plan, work[comm.rank], shard_dir, output_dir, located, comparable, buffer_size),
+            gather=True,
+        )
+        diffs: dict[int, _Diff] = {}
+        for share in shares:
+            for t, diff in share.items():
+                diffs.setdefault(t, _Diff()).merge(diff)
+        problems += _diff_problems(plan, output_dir, located, diffs)
+        report.shard_tensors = len(plan.tensors)
+        report.compared_tensors = len(comparable)
+        report.compared_bytes = sum(plan.tensors[t].nbytes for t in comparable)
+    report.problems = sorted(problems, key=lambda p: (p.path, p.tensor or "", p.what))
+    return report
+
+
+__all__ = ["verify", "VerifyReport", "Problem", "read_index", "tensor_bytes", "check_sample"]

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +15,8 @@ from safetensors import TensorSpec, deserialize, serialize
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcp"
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
+_VENV_MPIEXEC = Path(sys.executable).parent / "mpiexec"
+MPIEXEC = str(_VENV_MPIEXEC) if _VENV_MPIEXEC.exists() else shutil.which("mpiexec")
 
 # safetensors header dtype → the name safetensors.serialize takes (torch-style).
 SPEC_DTYPE = {
@@ -76,3 +82,16 @@ def assert_consolidated(output_dir: str | os.PathLike[str], expected: Tensors, w
 def index_weight_map(mapping: dict[str, int]) -> dict[str, str]:
     count = max(mapping.values())
     return {name: f"model-{index:05d}-of-{count:05d}.safetensors" for name, index in mapping.items()}
+
+
+def mpirun(ranks: int, args: list[str], timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    """Run ``mpiexec -n ranks python ARGS`` with this checkout importable; returns the process and its seconds."""
+    start = time.monotonic()
+    proc = subprocess.run(
+        [MPIEXEC, "-n", str(ranks), sys.executable, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    )
+    return proc, time.monotonic() - start

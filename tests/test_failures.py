@@ -168,3 +168,22 @@ def test_read_only_output_directory_is_a_clean_error(tmp_path):
             subprocess.run(["umount", str(target)], check=False)
         else:
             target.chmod(0o755)
+
+
+def test_read_error_during_node_local_exchange_ends_every_rank(tmp_path):
+    """A rank that fails while others wait for its data must not leave them hanging."""
+    files = sorted(INPUT.iterdir())
+    for rank in range(3):
+        (tmp_path / f"in-{rank}").mkdir()
+    for i, path in enumerate(files):
+        shutil.copy(path, tmp_path / f"in-{i % 3}" / path.name)
+    out = tmp_path / "out"
+    proc, seconds = mpirun(3, [INJECT, "read-error", "1", "--", "consolidate", str(tmp_path / "in-{rank}"), str(out)])
+    assert proc.returncode == 1, proc.stderr
+    assert "[rank 1]" in proc.stderr and "Input/output error (injected)" in proc.stderr
+    assert seconds < 30
+    assert list(out.iterdir()) == []
+    good, _ = mpirun(3, ["-m", "mpicons", "consolidate", str(tmp_path / "in-{rank}"), str(out), "-q", "--gather-to", "2"])
+    assert good.returncode == 0, good.stderr
+    expected, mapping = fixture_expected("edge-3ranks")
+    assert_consolidated(out, expected, index_weight_map(mapping))

@@ -7,12 +7,12 @@ import struct
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import SPEC_DTYPE, reference_bytes
 from mpicons.errors import InputError
-from mpicons.format import DTYPE_BY_NAME, DTYPES, build_header, nbytes_of, parse_header, reference_order
+from mpicons.format import DTYPE_BY_NAME, DTYPES, build_header, nbytes_of, parse_header, read_header, reference_order
 
 WHOLE_BYTE_DTYPES = [d.name for d in DTYPES if d.bits % 8 == 0]
 
@@ -132,3 +132,46 @@ def test_mutated_headers_parse_or_fail_cleanly(tensors, position, value):
         parse_header(bytes(blob[8 : 8 + length]), len(blob))
     except InputError:
         pass
+
+
+@st.composite
+def damaged_files(draw):
+    """Whole files: valid ones damaged anywhere (length prefix included), or arbitrary bytes."""
+    blob = bytearray(reference_bytes(draw(tensor_sets())))
+    (length,) = struct.unpack("<Q", blob[:8])
+    kind = draw(st.sampled_from(["flip", "truncate", "prefix", "append", "arbitrary"]))
+    if kind == "flip":
+        for _ in range(draw(st.integers(1, 4))):
+            blob[draw(st.integers(0, min(len(blob), 8 + length + 16) - 1))] = draw(st.integers(0, 255))
+    elif kind == "truncate":
+        del blob[draw(st.integers(0, len(blob))) :]
+    elif kind == "prefix":
+        near = st.integers(max(0, length - 16), length + 16)
+        blob[:8] = struct.pack("<Q", draw(st.one_of(near, st.integers(0, 2**64 - 1), st.just(100_000_001))))
+    elif kind == "append":
+        blob += draw(st.binary(min_size=1, max_size=16))
+    else:
+        blob = bytearray(draw(st.binary(max_size=64)))
+    return bytes(blob)
+
+
+@pytest.fixture(scope="module")
+def scratch(tmp_path_factory):
+    return tmp_path_factory.mktemp("fuzz") / "f.safetensors"
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(damaged_files())
+def test_any_file_reads_or_fails_cleanly(scratch, blob):
+    """read_header on a file: a header consistent with the file's bytes, or an InputError naming the file."""
+    scratch.write_bytes(blob)
+    try:
+        header = read_header(scratch)
+    except InputError as exc:
+        assert str(exc).startswith(f"{scratch}: ")
+        return
+    (length,) = struct.unpack("<Q", blob[:8])
+    assert header.data_start == 8 + length and header.file_size == len(blob)
+    spans = sorted((e.begin, e.end) for e in header.tensors)
+    assert [b for b, _ in spans] == [0] + [e for _, e in spans[:-1]]  # contiguous from 0
+    assert header.data_start + (spans[-1][1] if spans else 0) == len(blob)

@@ -78,10 +78,25 @@ def test_overlap_names_both_files():
 
 
 def test_identical_replicas_count_once():
-    table = make_table([("a", "n", "F32", [0], [8]), ("b", "n", "F32", [0], [8]), ("c", "n", "F32", [0], [8])])
-    plan = build_plan(table, 2)
-    assert plan.piece_start.tolist() == [0, 1]
-    assert plan.piece_file.tolist() == [0]
+    # A norm replicated on every rank, next to each rank's own share of a matrix.
+    pieces = [(f, "n", "F32", [0], [8]) for f in "abc"] + [(f, "w", "F32", [2 * i], [2]) for i, f in enumerate("abc")]
+
+
+    def sources(plan):
+        return {t.name: plan.piece_file[plan.piece_start[i] : plan.piece_start[i + 1]].tolist() for i, t in enumerate(plan.tensors)}
+
+    kept = sources(build_plan(make_table(pieces), 2))
+    assert kept["n"] == [0]  # one copy, the first file's
+    assert sources(build_plan(make_table(pieces[::-1]), 2)) == kept  # whatever order the scan gathered rows in
+
+
+def test_a_file_of_nothing_but_replicas_is_a_copy():
+    """A shard saved twice (under another rank number) is an error naming both files; empty pieces do not count."""
+    own = [("a", "w", "F32", [0, 0], [2, 4]), ("b", "w", "F32", [2, 0], [2, 4]), ("a", "n", "F32", [0], [4])]
+    build_plan(make_table(own + [("c", "w", "F32", [4, 0], [0, 4])]), 1)  # c holds only an empty piece: fine
+    copy = [("c", "w", "F32", [2, 0], [2, 4])]
+    with pytest.raises(InputError, match=r"^c: every piece in it duplicates .*'w' at \[2:4, 0:4\] is also in b\)"):
+        build_plan(make_table(own + copy), 1)
 
 
 @pytest.mark.parametrize(
@@ -116,7 +131,7 @@ def test_parse_mapping_forms():
         "b": "model-00003-of-00003.safetensors",
     }
     assert parse_mapping({"metadata": {}, "weight_map": {"a": "x.safetensors"}}) == {"a": "x.safetensors"}
-    for bad in ["../x.safetensors", "d/x.safetensors", "..", ""]:
+    for bad in ["../x.safetensors", "d/x.safetensors", "..", "", ".hidden.safetensors", "model.safetensors.index.json"]:
         with pytest.raises(InputError, match="not a plain file name"):
             parse_mapping({"weight_map": {"a": bad}})
     with pytest.raises(InputError):

@@ -2,7 +2,7 @@
 
 Usage: inject.py FAULT RANK -- mpicons arguments...
 FAULT: ``write-oserror`` (an I/O error while writing), ``bug-after-write`` (an unexpected exception
-outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write), ``slow-write`` (every rank writes slowly), ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``kill-write``
+outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write), ``slow-write`` (every rank writes slowly), ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``read-error`` (every shard read fails), ``kill-write``
 (the rank SIGKILLs itself mid-write).
 """
 
@@ -46,6 +46,13 @@ elif rank == victim:
             raise RuntimeError("injected bug outside an agreed phase")
 
         mpicons.consolidation.reduce_stats = failing_stats
+    elif fault == "read-error":  # any shard read fails, including reads for other ranks (node-local mode)
+        import mpicons.io
+
+        def failing_read(self, file, offset, target):
+            raise OSError(5, "Input/output error (injected)", self.path(file))
+
+        mpicons.io.SourceFiles.read_into = failing_read
     elif fault == "kill-write":
         original = mpicons.copy.Executor.write_item
 

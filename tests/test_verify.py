@@ -1,0 +1,358 @@
+"""``mpicons verify``: a sound checkpoint passes, and every kind of damage is reported with its place.
+
+The MPI tests run on every rank at once on a shared directory: only rank 0 damages files (then all
+ranks synchronise), every rank calls ``verify`` alike, and assertions are made on the report after
+checking it is the same on every rank, so a failure fails every rank together instead of hanging.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpicons
+from helpers import FIXTURE_NAMES, FIXTURES, reference_bytes
+from mpicons.errors import InputError
+from mpicons.format import DTYPE_BY_NAME, read_header
+from mpicons.scan import PieceTable
+from mpicons.verify import VerifyReport, verify
+
+HERE = Path(__file__).parent
+EDGE = FIXTURES / "edge-3ranks" / "sharded"
+FILE1 = "model-00001-of-00002.safetensors"
+FILE2 = "model-00002-of-00002.safetensors"
+INDEX = "model.safetensors.index.json"
+TINY = 128  # comparison buffer small enough to split rows of the fixtures' matrices
+
+
+def _mutate(comm: MPI.Intracomm, fn: Callable[[], None]) -> None:
+    """Rank 0 changes the shared files; every rank learns whether that worked (and waits for it)."""
+    error = None
+    if comm.rank == 0:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank
+            error = repr(exc)
+    error = comm.bcast(error, root=0)
+    assert error is None, error
+
+
+def _verify(comm: MPI.Intracomm, out: Path, **kwargs: object) -> VerifyReport:
+    """verify() on every rank; the report must be the same everywhere."""
+    report = verify(out, comm=comm, **kwargs)
+    gathered = comm.allgather(report.to_dict())
+    assert all(g == gathered[0] for g in gathered)
+    return report
+
+
+def _consolidated(comm: MPI.Intracomm, tmp: Path, fixture: str = "edge-3ranks") -> Path:
+    out = tmp / "out"
+    mpicons.consolidate(FIXTURES / fixture / "sharded", out, comm=comm)
+    return out
+
+
+def _element_position(path: Path, tensor: str, index: tuple[int, ...]) -> int:
+    """Absolute file offset of element ``index`` of ``tensor``."""
+    header = read_header(path)
+    entry = next(e for e in header.tensors if e.name == tensor)
+    size = DTYPE_BY_NAME[entry.dtype].bits // 8
+    return header.data_start + entry.begin + int(np.ravel_multi_index(index, entry.shape)) * size
+
+
+def _flip(path: Path, position: int) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(position)
+        byte = handle.read(1)
+        handle.seek(position)
+        handle.write(bytes([byte[0] ^ 0x04]))
+
+
+#: Matches any tensor field (header errors name the tensor they found wrong, or none).
+ANY = object()
+
+
+def _has(report: VerifyReport, file_name: str | None, tensor: object, text: str) -> bool:
+    return any(
+        (file_name is None or os.path.basename(p.path) == file_name) and tensor in (ANY, p.tensor) and text in p.what
+        for p in report.problems
+    )
+
+
+# ---------------------------------------------------------------- sound checkpoints
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("fixture", FIXTURE_NAMES)
+@pytest.mark.parametrize("buffer_size", [TINY, 32 << 20])
+def test_consolidated_checkpoint_verifies(fixture, buffer_size, mpi_tmp_path):
+    comm = MPI.COMM_WORLD
+    out = _consolidated(comm, mpi_tmp_path, fixture)
+    plain = _verify(comm, out)
+    full = _verify(comm, out, against=FIXTURES / fixture / "sharded", buffer_size=buffer_size)
+    index = json.loads((out / INDEX).read_text())
+    for report in (plain, full):
+        assert report.ok, report.lines()
+        assert report.files == sorted(set(index["weight_map"].values()))
+        assert report.tensors == len(index["weight_map"])
+        assert report.total_bytes == index["metadata"]["total_size"]
+        assert report.ranks == comm.size
+    assert full.compared_tensors == full.shard_tensors == full.tensors
+    assert full.compared_bytes == full.total_bytes
+    assert "OK" in full.summary()
+
+
+@pytest.mark.mpi
+def test_default_communicator_is_world(mpi_tmp_path):
+    out = _consolidated(MPI.COMM_WORLD, mpi_tmp_path)
+    report = verify(out, against=EDGE)
+    assert MPI.COMM_WORLD.allgather(report.ok) == [True] * MPI.COMM_WORLD.size
+    assert report.ranks == MPI.COMM_WORLD.size
+
+
+# ---------------------------------------------------------------- values
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("buffer_size", [TINY, 1 << 16, 32 << 20])
+def test_flipped_bytes_are_found_with_their_first_element(buffer_size, mpi_tmp_path):
+    comm = MPI.COMM_WORLD
+    out = _consolidated(comm, mpi_tmp_path)
+    # A column-cut matrix (two differences), a 3-D tensor cut along its last dim, an int64 buffer.
+    flips = [
+        (FILE1, "model.layers.0.mlp.down_proj.weight", (40, 3)),
+        (FILE1, "model.layers.0.mlp.down_proj.weight", (37, 150)),
+        (FILE2, "moe.experts.w1", (2, 10, 30)),
+        (FILE1, "buffers.step", (4,)),
+    ]
+
+    def damage() -> None:
+        for file_name, tensor, index in flips:
+            _flip(out / file_name, _element_position(out / file_name, tensor, index) + 1)
+
+    _mutate(comm, damage)
+    assert _verify(comm, out).ok  # structure is intact: only --against can see it
+    report = _verify(comm, out, against=EDGE, buffer_size=buffer_size)
+    assert len(report.problems) == 3, report.lines()
+    assert _has(report, FILE1, "model.layers.0.mlp.down_proj.weight", "differs from the shards in 2 of 11968 elements; first at [37, 150]")
+    assert _has(report, FILE2, "moe.experts.w1", "in 1 of 8448 elements; first at [2, 10, 30]")
+    assert _has(report, FILE1, "buffers.step", "in 1 of 5 elements; first at [4]")
+    line = next(line for line in report.lines() if "buffers.step" in line)
+    assert line.startswith(f"{out / FILE1}: tensor 'buffers.step': differs")
+    assert report.compared_tensors == report.tensors
+    assert "3 problems" in report.summary()
+
+
+@pytest.mark.mpi
+def test_dtype_and_shape_are_compared_with_the_shards(mpi_tmp_path):
+    comm = MPI.COMM_WORLD
+    out = _consolidated(comm, mpi_tmp_path)
+
+    def damage() -> None:
+        # Same header length, still valid safetensors: a [1003, 64] matrix now claims [64, 1003];
+        # and the F64 bias claims to be I64 (same size).
+        data = (out / FILE1).read_bytes().replace(b'"shape":[1003,64]', b'"shape":[64,1003]', 1)
+        (out / FILE1).write_bytes(data)
+        data = (out / FILE2).read_bytes().replace(b'{"dtype":"F64","shape":[3]', b'{"dtype":"I64","shape":[3]', 1)
+        (out / FILE2).write_bytes(data)
+
+    _mutate(comm, damage)
+    assert _verify(comm, out).ok
+    report = _verify(comm, out, against=EDGE)
+    assert _has(report, FILE1, "lm_head.weight", "is BF16[64, 1003] but the shards hold BF16[1003, 64]"), report.lines()
+    assert _has(report, FILE2, "moe.router.bias", "is I64[3] but the shards hold F64[3]"), report.lines()
+    assert len(report.problems) == 2
+    assert report.compared_tensors == report.tensors - 2
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not hasattr(PieceTable, "holders"), reason="scan has no node-local shard support")
+def test_against_node_local_shards(mpi_tmp_path):
+    """Shards in per-rank directories: each tensor is compared by a rank that can read all its pieces."""
+    comm = MPI.COMM_WORLD
+    out = _consolidated(comm, mpi_tmp_path)
+
+    def spread(by: int) -> Callable[[], None]:
+        # shard-RRRRR-model-IIIII-of-NNNNN: field 1 is the training rank, field 3 the output file.
+        def copy() -> None:
+            for rank in range(comm.size):
+                (mpi_tmp_path / f"{by}-{rank}").mkdir()
+            for path in sorted(EDGE.iterdir()):
+                owner = (int(path.name.split("-")[by]) - 1) % comm.size
+                shutil.copy(path, mpi_tmp_path / f"{by}-{owner}" / path.name)
+
+        return copy
+
+    _mutate(comm, spread(3))
+    report = _verify(comm, out, against=str(mpi_tmp_path / "3-{rank}"), buffer_size=TINY)
+    assert report.ok, report.lines()
+    assert report.compared_tensors == report.tensors
+    _mutate(comm, lambda: _flip(out / FILE2, _element_position(out / FILE2, "moe.experts.w1", (3, 63, 32))))
+    report = _verify(comm, out, against=str(mpi_tmp_path / "3-{rank}"))
+    assert len(report.problems) == 1 and _has(report, FILE2, "moe.experts.w1", "first at [3, 63, 32]"), report.lines()
+    if comm.size > 1:
+        # Every training rank's pieces on a different rank: no rank sees a whole tensor.
+        _mutate(comm, spread(1))
+        with pytest.raises(InputError, match="no rank can read all of its shard files"):
+            verify(out, against=str(mpi_tmp_path / "1-{rank}"), comm=comm)
+
+
+# ---------------------------------------------------------------- structure
+
+
+def _edit_index(out: Path, change: Callable[[dict], None]) -> None:
+    index = json.loads((out / INDEX).read_text())
+    change(index)
+    (out / INDEX).write_text(json.dumps(index, indent=2))
+
+
+def _write_stray(out: Path) -> None:
+    (out / "extra.safetensors").write_bytes(reference_bytes({"ghost.weight": ("U8", [3], b"abc")}))
+
+
+#: name → (damage, [(file or None, tensor, text)] that must be reported, and nothing else without --against)
+BREAKAGES: dict[str, tuple[Callable[[Path], None], list[tuple[str | None, object, str]]]] = {
+    "truncated": (lambda o: os.truncate(o / FILE2, (o / FILE2).stat().st_size - 10), [(FILE2, ANY, "truncated?")]),
+    "trailing-bytes": (lambda o: open(o / FILE1, "ab").write(b"\0" * 8), [(FILE1, ANY, "trailing bytes")]),
+    "corrupt-header": (
+        lambda o: (o / FILE1).write_bytes((o / FILE1).read_bytes().replace(b'{"__metadata__"', b'["__metadata__"', 1)),
+        [(FILE1, None, "header is not valid JSON")],
+    ),
+    "header-too-long": (
+        lambda o: (o / FILE2).write_bytes(b"\xff" * 8 + (o / FILE2).read_bytes()[8:]),
+        [(FILE2, None, "exceeds the safetensors limit")],
+    ),
+    "format-not-pt": (
+        lambda o: (o / FILE1).write_bytes((o / FILE1).read_bytes().replace(b'"format":"pt"', b'"format":"tf"', 1)),
+        [(FILE1, None, "'format' is 'tf'")],
+    ),
+    "index-drops-tensor": (
+        lambda o: _edit_index(o, lambda i: i["weight_map"].pop("buffers.step")),
+        [(FILE1, "buffers.step", "not in the index's weight_map")],
+    ),
+    "index-wrong-file": (
+        lambda o: _edit_index(o, lambda i: i["weight_map"].update({"tiny.u8": FILE1})),
+        [(INDEX, "tiny.u8", f"weight_map names {FILE1} but the tensor is in {FILE2}")],
+    ),
+    "index-extra-tensor": (
+        lambda o: _edit_index(o, lambda i: i["weight_map"].update({"ghost": FILE1})),
+        [(INDEX, "ghost", f"weight_map names {FILE1}, which does not hold the tensor")],
+    ),
+    "index-total-size": (
+        lambda o: _edit_index(o, lambda i: i["metadata"].update({"total_size": i["metadata"]["total_size"] + 1})),
+        [(INDEX, None, "metadata.total_size is")],
+    ),
+    "index-missing": (lambda o: os.unlink(o / INDEX), [(INDEX, None, "index is missing")]),
+    "index-not-json": (lambda o: (o / INDEX).write_text("{"), [(INDEX, None, "index is not valid JSON")]),
+    "file-missing": (lambda o: os.unlink(o / FILE2), [(FILE2, None, "listed in the index for 13 tensors but missing")]),
+    "stray-file": (_write_stray, [("extra.safetensors", None, "not listed in the index (stray file)")]),
+    "partial-left": (
+        lambda o: (o / f".{FILE1}.mpicons-partial").write_bytes(b""),
+        [(f".{FILE1}.mpicons-partial", None, "leftover partial file")],
+    ),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("against", [False, True])
+@pytest.mark.parametrize("breakage", sorted(BREAKAGES))
+def test_each_kind_of_damage_is_reported(breakage, against, mpi_tmp_path):
+    comm = MPI.COMM_WORLD
+    out = _consolidated(comm, mpi_tmp_path)
+    damage, expected = BREAKAGES[breakage]
+    _mutate(comm, lambda: damage(out))
+    report = _verify(comm, out, against=EDGE if against else None)
+    assert not report.ok
+    for file_name, tensor, text in expected:
+        assert _has(report, file_name, tensor, text), report.lines()
+    if not against:
+        assert len(report.problems) == len(expected), report.lines()
+    else:
+        # Values of readable tensors still match: only the stray tensor is foreign to the shards.
+        assert not any("differs from the shards" in p.what for p in report.problems), report.lines()
+
+
+@pytest.mark.mpi
+def test_every_problem_is_reported_not_just_the_first(mpi_tmp_path):
+    comm = MPI.COMM_WORLD
+    out = _consolidated(comm, mpi_tmp_path, "fsdp2-3ranks")
+    files = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+
+    def damage() -> None:
+        os.truncate(out / files[0], (out / files[0]).stat().st_size - 1)
+        (out / files[1]).write_bytes((out / files[1]).read_bytes().replace(b'"format":"pt"', b'"format":"xx"', 1))
+        header = read_header(out / files[2])
+        entry = header.tensors[-1]
+        _flip(out / files[2], header.data_start + entry.end - 1)
+        _write_stray(out)
+        _edit_index(out, lambda i: i["metadata"].update({"total_size": 1}))
+
+    _mutate(comm, damage)
+    report = _verify(comm, out, against=FIXTURES / "fsdp2-3ranks" / "sharded")
+    entry_name = comm.bcast(read_header(out / files[2]).tensors[-1].name if comm.rank == 0 else None)
+    assert _has(report, files[0], ANY, "truncated?"), report.lines()
+    assert _has(report, files[1], None, "'format' is 'xx'"), report.lines()
+    assert _has(report, files[2], entry_name, "differs from the shards in 1 of"), report.lines()
+    assert _has(report, "extra.safetensors", None, "stray file"), report.lines()
+    assert _has(report, "extra.safetensors", "ghost.weight", "not in the shards"), report.lines()
+    # total_size cannot be checked while a listed file is unreadable; the truncation explains it.
+    assert len(report.problems) == 5, report.lines()
+    assert [p.path for p in report.problems] == sorted(p.path for p in report.problems)
+
+
+# ---------------------------------------------------------------- command line
+
+
+def _mpirun(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
+    venv_mpiexec = Path(sys.executable).parent / "mpiexec"
+    mpiexec = str(venv_mpiexec) if venv_mpiexec.exists() else shutil.which("mpiexec")
+    return subprocess.run(
+        [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpicons", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
+    )
+
+
+def test_cli_exit_codes_at_3_ranks(tmp_path):
+    out = tmp_path / "out"
+    mpicons.consolidate(EDGE, out, comm=MPI.COMM_SELF)
+    report_path = tmp_path / "report.json"
+
+    good = _mpirun(3, ["verify", str(out), "--against", str(EDGE), "--json", str(report_path)])
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert good.stdout.count("mpicons verify: OK") == 1  # rank 0 only
+    report = json.loads(report_path.read_text())
+    assert report["ok"] and report["ranks"] == 3 and report["problems"] == []
+
+    _flip(out / FILE2, _element_position(out / FILE2, "moe.experts.w1", (1, 2, 3)))
+    (out / "extra.safetensors").write_bytes(b"not safetensors at all")
+    bad = _mpirun(3, ["verify", str(out), "--against", str(EDGE), "--json", str(report_path), "--buffer-size", "1K"])
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    lines = bad.stdout.splitlines()
+    assert f"{out / FILE2}: tensor 'moe.experts.w1': differs from the shards in 1 of 8448 elements; first at [1, 2, 3]" in "\n".join(lines)
+    assert f"{out / 'extra.safetensors'}: not listed in the index (stray file)" in lines
+    assert lines[-1].startswith("mpicons verify: 3 problems")
+    assert "mpicons: error" not in bad.stderr
+    assert len(json.loads(report_path.read_text())["problems"]) == 3
+
+    quiet = _mpirun(3, ["verify", str(out), "-q"])
+    assert quiet.returncode == 1
+    assert all(line.startswith(str(out)) for line in quiet.stdout.splitlines())
+
+    missing = _mpirun(3, ["verify", str(tmp_path / "missing")])
+    assert missing.returncode == 2
+    assert missing.stderr.count("mpicons: error:") == 1 and "output directory does not exist" in missing.stderr
+
+    no_shards = _mpirun(3, ["verify", str(out), "--against", str(tmp_path / "missing")])
+    assert no_shards.returncode == 2
+    assert "input directory does not exist" in no_shards.stderr
