@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     look.add_argument("--ranks", type=_int_at_least(1), metavar="N", help="plan for N ranks (default: this job's size)")
     look.add_argument("--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json")
     look.add_argument("--split", choices=sorted(SPLITS), default="bytes", help="work split over ranks (default: %(default)s)")
+    look.add_argument("--dtype", choices=sorted(TARGETS), help="plan with floating-point tensors converted")
+    look.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", help="plan a Hugging Face re-sharding, e.g. 5GB")
     look.add_argument("--json", metavar="FILE", help="write the full report as JSON ('-': to stdout, instead of the table)")
     look.add_argument("--limit", type=_int_at_least(0), default=50, metavar="N",
                       help="rows per list in the table, 0 for all (default: %(default)s)")
@@ -208,7 +210,10 @@ def _cmd_inspect(args: argparse.Namespace, comm: Comm) -> int:
     from .inspect import inspect
     from .parallel import agree
 
-    report = inspect(args.input_dir, comm=comm, ranks=args.ranks, mapping=args.mapping, split=args.split)
+    report = inspect(
+        args.input_dir, comm=comm, ranks=args.ranks, mapping=args.mapping, split=args.split,
+        dtype=args.dtype, max_shard_size=args.max_shard_size,
+    )
     if comm.rank == 0:
         if args.json == "-":
             json.dump(report.to_dict(), sys.stdout, indent=2)

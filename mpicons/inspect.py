@@ -202,6 +202,8 @@ def inspect(
     ranks: int | None = None,
     mapping: str | os.PathLike[str] | Mapping[str, object] | None = None,
     split: str = "bytes",
+    dtype: str | None = None,
+    max_shard_size: int | None = None,
 ) -> InspectReport:
     """Describe the sharded checkpoint in ``input_dir`` and what consolidating it on ``ranks`` ranks would do.
 
@@ -219,7 +221,7 @@ def inspect(
         raise InputError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
     names = agree(comm, lambda: load_mapping(mapping) if mapping is not None and comm.rank == 0 else None, root=0)
     table = scan(input_dir, comm)
-    plan, error = agree(comm, lambda: _try_plan(table, ranks, names, split))
+    plan, error = agree(comm, lambda: _try_plan(table, ranks, names, split, dtype, max_shard_size))
     tensor_problems: dict[int, str] = {}
     if plan is None:
         # Check every tensor on its own (split over the ranks) to list all broken ones, not just the first.
@@ -241,11 +243,16 @@ def inspect(
 
 
 def _try_plan(
-    table: PieceTable, ranks: int, mapping: Mapping[str, str] | None, split: str
+    table: PieceTable,
+    ranks: int,
+    mapping: Mapping[str, str] | None,
+    split: str,
+    dtype: str | None = None,
+    max_shard_size: int | None = None,
 ) -> tuple[Plan | None, str | None]:
     """The plan, or the reason there is none (the checkpoint's first problem)."""
     try:
-        return build_plan(table, ranks, mapping=mapping, split=split), None
+        return build_plan(table, ranks, mapping=mapping, split=split, dtype=dtype, max_shard_size=max_shard_size), None
     except InputError as exc:
         return None, str(exc)
 

@@ -12,23 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from helpers import FIXTURES, fixture_expected, assert_consolidated, index_weight_map
+from helpers import FIXTURES, MPIEXEC, assert_consolidated, fixture_expected, index_weight_map, mpirun
 
 HERE = Path(__file__).parent
-MPIEXEC = str(Path(sys.executable).parent / "mpiexec") if (Path(sys.executable).parent / "mpiexec").exists() else shutil.which("mpiexec")
 INPUT = FIXTURES / "edge-3ranks" / "sharded"
-
-
-def mpirun(ranks: int, args: list[str], timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
-    start = time.monotonic()
-    proc = subprocess.run(
-        [MPIEXEC, "-n", str(ranks), sys.executable, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
-    )
-    return proc, time.monotonic() - start
 
 
 def final_names(out: Path) -> list[str]:
