@@ -111,6 +111,8 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--buffer-size", type=parse_size, default=DEFAULT_BUFFER_SIZE, metavar="SIZE",
                      help="memory per rank for assembling blocks (default: 32M)")
     cmd.add_argument("--force", action="store_true", help="overwrite existing output files")
+    cmd.add_argument("--no-sync", dest="sync", action="store_false",
+                     help="do not flush outputs to stable storage (scratch data, benchmarks): faster, not power-loss safe")
     cmd.add_argument("--progress", type=float, default=10.0, metavar="N",
                      help="progress line every N seconds (a bar on a terminal); 0 turns it off (default: %(default)s)")
     cmd.add_argument("--stats-json", metavar="FILE", help="write the timing report as JSON")

@@ -22,6 +22,8 @@ from .scan import scan
 from .stats import PhaseClock, Stats, reduce_stats
 
 DEFAULT_BUFFER_SIZE = 32 << 20
+#: Background threads per rank for posix writes and kernel copies (overlapping the next block's assembly).
+IO_THREADS = int(os.environ.get("MPICONS_IO_THREADS", "1"))
 PARTIAL_SUFFIX = ".mpicons-partial"
 FORMATS = ("safetensors", "hdf5")
 
@@ -81,7 +83,7 @@ def _prepare_output_dir(input_dir: str, output_dir: str, names: list[str], force
                 raise InputError(f"{os.path.join(output_dir, name)}: already exists (use --force to overwrite)")
 
 
-def _publish(output_dir: str, plan: Plan, with_index: bool) -> None:
+def _publish(output_dir: str, plan: Plan, with_index: bool, durable: bool = True) -> None:
     """Rename every finished output to its final name, then write the index last."""
     for out in plan.files:
         os.replace(os.path.join(output_dir, partial_name(out.name)), os.path.join(output_dir, out.name))
@@ -91,13 +93,15 @@ def _publish(output_dir: str, plan: Plan, with_index: bool) -> None:
             json.dump(plan.index(), handle, indent=2)
             handle.write("\n")
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(index_tmp, os.path.join(output_dir, INDEX_NAME))
-    dir_fd = os.open(output_dir, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    if durable:
+        dir_fd = os.open(output_dir, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 def _remove_partials(output_dir: str, names: list[str]) -> None:
@@ -131,6 +135,7 @@ def consolidate(
     max_shard_size: int | None = None,
     output_format: str = "safetensors",
     gather_to: int | None = None,
+    sync: bool = True,
 ) -> ConsolidateResult:
     """Consolidate the sharded checkpoint in ``input_dir`` into a Hugging Face checkpoint in ``output_dir``.
 
@@ -143,7 +148,8 @@ def consolidate(
     Shards need not be on a shared filesystem: ``{rank}`` in ``input_dir`` gives each rank its own
     directory (or the same path names a node-local disk); each file is read only by ranks that see
     it and data moves over MPI where needed. ``gather_to=r`` writes every output on rank ``r`` only
-    (its local ``output_dir``). Raises
+    (its local ``output_dir``). ``sync=False`` skips flushing outputs to stable storage (renames stay
+    atomic for processes, but a power loss may then leave empty or partial files). Raises
     :class:`~mpicons.errors.InputError` for a bad checkpoint or options and
     :class:`~mpicons.errors.WriteError` for I/O failures, on every rank alike.
     """
@@ -177,7 +183,7 @@ def consolidate(
                 comm,
                 lambda: open_output(
                     io, comm, paths, [f.header for f in plan.files], [f.size for f in plan.files], hints,
-                    preallocated=output_format == "hdf5", owner=owner,
+                    preallocated=output_format == "hdf5", owner=owner, durable=sync,
                 ),
             )
         except MpiconsError:
@@ -198,7 +204,7 @@ def consolidate(
         _close_quietly(output, sources)
     with clock("finalize"):
         try:
-            agree(comm, lambda: _publish(output_dir, plan, output_format == "safetensors") if comm.rank == owner else None, root=owner)
+            agree(comm, lambda: _publish(output_dir, plan, output_format == "safetensors", sync) if comm.rank == owner else None, root=owner)
         except MpiconsError:
             if comm.rank == owner:
                 _remove_partials(output_dir, final_names)
@@ -241,7 +247,7 @@ def _write_share(
     ok = False
     try:
         if routes is None:
-            written = Executor(plan, sources, output, buffer_size, on_bytes).run(plan.work[comm.rank])  # type: ignore[arg-type]
+            written = Executor(plan, sources, output, buffer_size, on_bytes, io_threads=IO_THREADS).run(plan.work[comm.rank])  # type: ignore[arg-type]
         else:
             with signals_deferred():
                 executor = ExchangeExecutor(plan, routes, sources, output, _block_bytes(buffer_size), channel, on_bytes)  # type: ignore[arg-type]

@@ -8,6 +8,9 @@ strided copies, then written as one large write. Rows larger than the buffer are
 
 from __future__ import annotations
 
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
@@ -46,8 +49,51 @@ class _Pieces:
         return _Pieces(self.src[mask], self.begin[mask], self.shape[mask], self.offset[mask])
 
 
+class _Background:
+    """Up to ``workers`` posix I/O calls in flight on threads (the syscalls release the GIL).
+
+    With no workers every call runs inline. ``drain`` waits for everything submitted and raises the
+    first failure.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mpicons-io") if workers else None
+        self.pending: deque[Future[None]] = deque()
+
+    def submit(self, action: Callable[..., None], *args: object) -> Future[None] | None:
+        if self.pool is None:
+            action(*args)
+            return None
+        while self.pending and self.pending[0].done():
+            self.pending.popleft().result()
+        future = self.pool.submit(action, *args)
+        self.pending.append(future)
+        return future
+
+    def drain(self) -> None:
+        first: BaseException | None = None
+        while self.pending:
+            try:
+                self.pending.popleft().result()
+            except BaseException as exc:  # noqa: BLE001 - every call is waited for before raising
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def close(self) -> None:
+        try:
+            self.drain()
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=True)
+
+
 class Executor:
-    """Writes work items of a plan through an output backend, within ``buffer_size`` of buffers."""
+    """Writes work items of a plan through an output backend, within ``buffer_size`` of buffers.
+
+    With the posix backend, writes and kernel copies run on ``io_threads`` background threads
+    while the main thread reads and assembles the next block (two assembly buffers alternate).
+    """
 
     def __init__(
         self,
@@ -56,24 +102,49 @@ class Executor:
         output: PosixOutput | MpiioOutput,
         buffer_size: int,
         on_bytes: Callable[[int], None] | None = None,
+        io_threads: int = 0,
     ) -> None:
         converting = any(t.source_dtype != t.dtype for t in plan.tensors)
-        share = max(MIN_BUFFER, buffer_size // (3 if converting else 2))
+        threads = io_threads if isinstance(output, PosixOutput) else 0
+        slots = 2 if threads else 1
+        share = max(MIN_BUFFER, buffer_size // (1 + slots * (2 if converting else 1)))
         self.plan = plan
         self.sources = sources
         self.output = output
-        self.block = np.empty(share, dtype=np.uint8)
+        self.blocks = [np.empty(share, dtype=np.uint8) for _ in range(slots)]
+        self.outs = [np.empty(share, dtype=np.uint8) for _ in range(slots)] if converting else self.blocks
+        self.slot_busy: list[Future[None] | None] = [None] * slots
+        self.slot = 0
+        self.block = self.blocks[0]
         self.scratch = np.empty(share, dtype=np.uint8)
-        self.converted = np.empty(share, dtype=np.uint8) if converting else self.block
+        self.converted = self.outs[0]
         self.on_bytes = on_bytes or (lambda n: None)
+        self.background = _Background(threads)
+        self._bounce = threading.local()
+        sources.before_close = self.background.drain
 
     def run(self, items: list[WorkItem]) -> int:
         """Write ``items``; returns the number of output bytes written."""
         written = 0
-        for item in items:
-            self.write_item(item)
-            written += self.plan.item_bytes(item)
+        try:
+            for item in items:
+                self.write_item(item)
+                written += self.plan.item_bytes(item)
+        finally:
+            self.background.close()
         return written
+
+    def _bounce_buffer(self) -> np.ndarray:
+        """A per-thread buffer for copies the kernel cannot do (allocated only if needed)."""
+        if threading.current_thread() is threading.main_thread():
+            return self.scratch
+        buffer = getattr(self._bounce, "buffer", None)
+        if buffer is None:
+            buffer = self._bounce.buffer = np.empty(len(self.scratch), dtype=np.uint8)
+        return buffer
+
+    def _copy(self, src: int, source: int, file: int, destination: int, length: int) -> None:
+        self.output.copy(self.sources, src, source, file, destination, length, self._bounce_buffer())
 
     def write_item(self, item: WorkItem) -> None:
         plan = self.plan
@@ -118,9 +189,12 @@ class Executor:
             length = int(last[i] - first[i]) * row_bytes
             source = int(pieces.begin[i] + (first[i] - pieces.offset[i, 0]) * row_bytes)
             destination = base + int(first[i]) * row_bytes
+            if self.background.pool is not None:  # handles are opened here, not on the I/O threads
+                self.sources.fd(int(pieces.src[i]))
+                self.output.open(target.file)  # type: ignore[union-attr]
             for start in range(0, length, COPY_CHUNK):
                 step = min(COPY_CHUNK, length - start)
-                self.output.copy(self.sources, int(pieces.src[i]), source + start, target.file, destination + start, step, self.scratch)
+                self.background.submit(self._copy, int(pieces.src[i]), source + start, target.file, destination + start, step)
                 self.on_bytes(step)
 
     def _assemble(self, target: _Target, base: int, storage: tuple[int, ...], pieces: _Pieces, row_begin: int, row_end: int) -> None:
@@ -132,6 +206,7 @@ class Executor:
             block_end = min(row_end, block_begin + rows_per_block)
             rows = block_end - block_begin
             size_in = rows * row_elements * target.unit_in
+            self._next_slot()
             block = self.block[:size_in].reshape((rows, *storage[1:], target.unit_in))
             first = np.maximum(pieces.offset[:, 0], block_begin)
             last = np.minimum(pieces.offset[:, 0] + pieces.shape[:, 0], block_end)
@@ -149,5 +224,19 @@ class Executor:
                 source_dtype, output_dtype = target.dtypes
                 out = self.converted[: rows * row_elements * target.unit_out]
                 convert(self.block[:size_in].view(source_dtype), out.view(output_dtype))
-            self.output.write(target.file, base + block_begin * row_elements * target.unit_out, memoryview(out))
+            if self.background.pool is not None:
+                self.output.open(target.file)  # type: ignore[union-attr]
+            self.slot_busy[self.slot] = self.background.submit(
+                self.output.write, target.file, base + block_begin * row_elements * target.unit_out, memoryview(out)
+            )
             self.on_bytes(len(out))
+
+    def _next_slot(self) -> None:
+        """Switch to the other assembly buffer, waiting until its last write has finished."""
+        self.slot = (self.slot + 1) % len(self.blocks)
+        busy = self.slot_busy[self.slot]
+        if busy is not None:
+            busy.result()
+            self.slot_busy[self.slot] = None
+        self.block = self.blocks[self.slot]
+        self.converted = self.outs[self.slot]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 from collections import OrderedDict
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -31,6 +31,8 @@ class SourceFiles:
         self.names = names
         self.max_open = max_open
         self._open: OrderedDict[int, int] = OrderedDict()
+        #: Called before a handle is closed to make room, so background I/O never loses its file.
+        self.before_close: Callable[[], None] = lambda: None
 
     def path(self, file: int) -> str:
         return os.path.join(self.directory, self.names[file])
@@ -46,6 +48,7 @@ class SourceFiles:
             raise WriteError(f"{self.path(file)}: cannot open shard ({exc.strerror})") from None
         self._open[file] = fd
         if len(self._open) > self.max_open:
+            self.before_close()
             _, old = self._open.popitem(last=False)
             os.close(old)
         return fd
@@ -81,6 +84,7 @@ class PosixOutput:
         sizes: Sequence[int],
         preallocated: bool = False,
         owner: int = 0,
+        durable: bool = True,
     ) -> None:
         self.comm = comm
         self.paths = paths
@@ -88,6 +92,7 @@ class PosixOutput:
         self.sizes = sizes
         self.preallocated = preallocated
         self.owner = owner
+        self.durable = durable
         self._fds: dict[int, int] = {}
         self._copy_range = hasattr(os, "copy_file_range")
 
@@ -103,11 +108,16 @@ class PosixOutput:
             try:
                 _pwrite_all(fd, memoryview(header), 0, path)
                 os.ftruncate(fd, size)
-                os.fsync(fd)
+                if self.durable:
+                    os.fsync(fd)
             except OSError as exc:
                 raise WriteError(f"{path}: cannot size output to {size} bytes ({exc.strerror})") from None
             finally:
                 os.close(fd)
+
+    def open(self, file: int) -> None:
+        """Open output ``file`` now (from the main thread, before background writes use it)."""
+        self._fd(file)
 
     def _fd(self, file: int) -> int:
         fd = self._fds.get(file)
@@ -120,9 +130,24 @@ class PosixOutput:
 
     def write(self, file: int, offset: int, data: memoryview) -> None:
         _pwrite_all(self._fd(file), data, offset, self.paths[file])
+        self._start_writeback(file, offset, len(data))
+
+    def _start_writeback(self, file: int, offset: int, length: int) -> None:
+        """Ask the kernel to start writing these pages to disk now (asynchronously), so the final
+        fsync overlaps the copying instead of following it (POSIX_FADV_DONTNEED starts writeback
+        of dirty pages on Linux without waiting for it)."""
+        if self.durable and hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self._fd(file), offset, length, os.POSIX_FADV_DONTNEED)
+            except OSError:
+                pass
 
     def copy(self, sources: SourceFiles, src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray) -> None:
         """Copy shard bytes straight into the output: in the kernel when it can, else through ``bounce``."""
+        self._copy(sources, src, src_offset, file, offset, length, bounce)
+        self._start_writeback(file, offset, length)
+
+    def _copy(self, sources: SourceFiles, src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray) -> None:
         if self._copy_range:
             src_fd, dst_fd = sources.fd(src), self._fd(file)
             done = 0
@@ -141,6 +166,8 @@ class PosixOutput:
         _bounce_copy(self, sources, src, src_offset, file, offset, length, bounce)
 
     def sync(self) -> None:
+        if not self.durable:
+            return
         for file, fd in self._fds.items():
             try:
                 os.fsync(fd)
@@ -165,6 +192,7 @@ class MpiioOutput:
         sizes: Sequence[int],
         hints: Mapping[str, str] | None = None,
         preallocated: bool = False,
+        durable: bool = True,
     ) -> None:
         self.comm = comm
         self.paths = paths
@@ -172,6 +200,7 @@ class MpiioOutput:
         self.sizes = sizes
         self.hints = dict(hints or {})
         self.preallocated = preallocated
+        self.durable = durable
         self._files: list[MPI.File] = []
 
     def create(self) -> None:
@@ -216,6 +245,8 @@ class MpiioOutput:
         _bounce_copy(self, sources, src, src_offset, file, offset, length, bounce)
 
     def sync(self) -> None:
+        if not self.durable:
+            return
         for path, handle in zip(self.paths, self._files):
             try:
                 handle.Sync()
@@ -265,13 +296,15 @@ def open_output(
     hints: Mapping[str, str] | None = None,
     preallocated: bool = False,
     owner: int = 0,
+    durable: bool = True,
 ) -> PosixOutput | MpiioOutput:
     """An output backend; ``preallocated`` outputs already exist with their layout (HDF5) and are only opened.
 
-    ``owner`` creates the posix outputs (the rank whose disk holds them with ``gather_to``).
+    ``owner`` creates the posix outputs (the rank whose disk holds them with ``gather_to``);
+    ``durable=False`` skips flushing to stable storage.
     """
     if kind == "posix":
-        return PosixOutput(comm, paths, headers, sizes, preallocated, owner)
+        return PosixOutput(comm, paths, headers, sizes, preallocated, owner, durable)
     if kind == "mpiio":
-        return MpiioOutput(comm, paths, headers, sizes, hints, preallocated)
+        return MpiioOutput(comm, paths, headers, sizes, hints, preallocated, durable)
     raise ValueError(f"unknown I/O backend {kind!r} (choose from {', '.join(BACKENDS)})")

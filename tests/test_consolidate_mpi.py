@@ -117,3 +117,15 @@ def test_balanced_split_on_one_output_file(mpi_tmp_path):
     result = mpicons.consolidate(mpi_tmp_path / "sharded", mpi_tmp_path / "out", comm=comm)
     assert result.stats.imbalance <= 1.10
     assert_consolidated(mpi_tmp_path / "out", _sample_expected(config), expected_mapping(config))
+
+
+@pytest.mark.parametrize("io_threads", [0, 1, 3])
+def test_background_io_threads_and_no_sync_give_the_same_bytes(io_threads, mpi_tmp_path, monkeypatch):
+    import mpicons.consolidation
+
+    monkeypatch.setattr(mpicons.consolidation, "IO_THREADS", io_threads)
+    comm = MPI.COMM_WORLD
+    out = mpi_tmp_path / "out"
+    mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", out, comm=comm, sync=False, buffer_size=1 << 16)
+    expected, mapping = fixture_expected("edge-3ranks")
+    assert_consolidated(out, expected, index_weight_map(mapping))
