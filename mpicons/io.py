@@ -71,10 +71,8 @@ class SourceFiles:
             os.close(self._open.popitem()[1])
 
 
-class PosixOutput:
-    """Outputs written with pwrite / copy_file_range; rank 0 creates them, every rank writes."""
-
-    name = "posix"
+class _Output:
+    """What both backends know: the outputs' paths, headers and final sizes."""
 
     def __init__(
         self,
@@ -83,16 +81,24 @@ class PosixOutput:
         headers: Sequence[bytes],
         sizes: Sequence[int],
         preallocated: bool = False,
-        owner: int = 0,
         durable: bool = True,
     ) -> None:
         self.comm = comm
         self.paths = paths
         self.headers = headers
         self.sizes = sizes
-        self.preallocated = preallocated
+        self.preallocated = preallocated  # already laid out (HDF5): open only
+        self.durable = durable  # flush to stable storage before publishing
+
+
+class PosixOutput(_Output):
+    """Outputs written with pwrite / copy_file_range; the owner rank creates them, every rank writes."""
+
+    name = "posix"
+
+    def __init__(self, *args: object, owner: int = 0, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.owner = owner
-        self.durable = durable
         self._fds: dict[int, int] = {}
         self._copy_range = hasattr(os, "copy_file_range")
 
@@ -179,28 +185,14 @@ class PosixOutput:
             os.close(self._fds.popitem()[1])
 
 
-class MpiioOutput:
+class MpiioOutput(_Output):
     """Outputs opened with ``MPI.File`` on the communicator; collective create, independent writes."""
 
     name = "mpiio"
 
-    def __init__(
-        self,
-        comm: Comm,
-        paths: Sequence[str],
-        headers: Sequence[bytes],
-        sizes: Sequence[int],
-        hints: Mapping[str, str] | None = None,
-        preallocated: bool = False,
-        durable: bool = True,
-    ) -> None:
-        self.comm = comm
-        self.paths = paths
-        self.headers = headers
-        self.sizes = sizes
+    def __init__(self, *args: object, hints: Mapping[str, str] | None = None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.hints = dict(hints or {})
-        self.preallocated = preallocated
-        self.durable = durable
         self._files: list[MPI.File] = []
 
     def create(self) -> None:
@@ -304,7 +296,7 @@ def open_output(
     ``durable=False`` skips flushing to stable storage.
     """
     if kind == "posix":
-        return PosixOutput(comm, paths, headers, sizes, preallocated, owner, durable)
+        return PosixOutput(comm, paths, headers, sizes, preallocated, durable, owner=owner)
     if kind == "mpiio":
-        return MpiioOutput(comm, paths, headers, sizes, hints, preallocated, durable)
+        return MpiioOutput(comm, paths, headers, sizes, preallocated, durable, hints=hints)
     raise ValueError(f"unknown I/O backend {kind!r} (choose from {', '.join(BACKENDS)})")
