@@ -3,8 +3,12 @@
 
 Every ratio is computed from measurements taken in the same run on the same machine, so the
 numbers are comparable even when the machine is noisy from one day to the next. Each case runs
-as a subprocess timed with the wall clock (best of ``--repeat``), with the peak RSS of its
-process tree from ``wait4``. mpicons' own per-phase timings come from its ``--stats-json``.
+as a subprocess timed with the wall clock (best of ``--repeat``), with the peak RSS of the
+largest process of its tree (``/usr/bin/time``, else ``wait4``). mpicons' own per-phase timings
+come from its ``--stats-json``. Runs wait for idle CPUs (the machine may be shared) and for
+writeback of the previous run to finish, and runs that could not are reported.
+
+Run it with the project's venv interpreter (it needs mpi4py and mpicons; torch is optional).
 
     python benchmarks/bench.py                       # 2 GB sample, ranks 1/2/4, best of 3
     python benchmarks/bench.py --size 200MB --repeat 1 --json result.json
@@ -41,6 +45,9 @@ MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else (shutil.which(
 MPICONS = [str(BIN / "mpicons")] if (BIN / "mpicons").exists() else [PYTHON, "-m", "mpicons"]
 THIS = str(Path(__file__).resolve())
 TIME = "/usr/bin/time" if os.access("/usr/bin/time", os.X_OK) else None
+#: Environment of every child: PYTHONPATH names the mpicons snapshot under test (see snapshot_sources).
+CHILD_ENV: dict[str, str] = dict(os.environ)
+CHILD_CWD: str | None = None
 SAMPLE_RANKS = 2  # ranks used to write the sample checkpoints (generation is not timed)
 
 
@@ -77,7 +84,8 @@ def run_timed(cmd: Sequence[str], *, env: dict[str, str] | None = None, timeout:
     with tempfile.NamedTemporaryFile(mode="w+") as log, tempfile.NamedTemporaryFile(mode="w+") as rss:
         wrapped = [TIME, "-f", "%M", "-o", rss.name, *cmd] if TIME else list(cmd)
         start = time.perf_counter()
-        proc = subprocess.Popen(wrapped, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(wrapped, env=CHILD_ENV if env is None else env, cwd=CHILD_CWD, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
         timer = threading.Timer(timeout, lambda: _kill_group(proc.pid))
         timer.start()
         try:
@@ -125,10 +133,79 @@ def warm(directory: Path) -> int:
 
 
 def quiesce(*paths: Path) -> None:
-    """Remove previous outputs and flush dirty pages, so no run pays for the previous one's writeback."""
+    """Remove previous outputs and let writeback finish, so no run pays for the previous one's.
+
+    ``cp -r`` leaves its copy dirty in the page cache; without this, the next case would
+    pay for flushing it (and ext4's discard of the freed blocks) inside its own time.
+    """
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
     os.sync()
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and _dirty_kib() > 16 << 10:
+        time.sleep(0.05)
+
+
+def _activity(window: float = 0.5) -> tuple[float, float]:
+    """(fraction of CPU time busy, MB/s read+written on block devices) over ``window`` seconds.
+
+    This script only sleeps meanwhile, so both measure everything else on the machine.
+    """
+
+    def sample() -> tuple[int, int, int]:
+        with open("/proc/stat") as handle:
+            values = [int(v) for v in handle.readline().split()[1:]]
+        sectors = 0
+        with open("/proc/diskstats") as handle:
+            for line in handle:
+                fields = line.split()
+                # whole disks only (vda, sda, nvme0n1), not their partitions, nor loop/ram devices
+                if len(fields) > 9 and re.fullmatch(r"(vd|sd|xvd)[a-z]+|nvme\d+n\d+", fields[2]):
+                    sectors += int(fields[5]) + int(fields[9])
+        return sum(values), values[3] + (values[4] if len(values) > 4 else 0), sectors
+
+    try:
+        total0, idle0, sectors0 = sample()
+        time.sleep(window)
+        total1, idle1, sectors1 = sample()
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    busy = 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+    return busy, (sectors1 - sectors0) * 512 / 1e6 / window
+
+
+BUSY_RUNS: list[str] = []
+
+
+PATIENCE = 60.0  # seconds a run waits for idle CPUs (--patience)
+
+
+def wait_quiet(what: str, cpu: float = 0.2, disk_mbs: float = 20.0, patience: float | None = None) -> None:
+    """Start a measurement only when nothing else uses the CPUs or the disk (the machine may be shared).
+
+    Waits up to ``patience`` seconds for CPU busy < ``cpu`` and disk traffic < ``disk_mbs``; a run
+    that had to start anyway is recorded in BUSY_RUNS and reported, so noisy numbers are never
+    silently mixed in.
+    """
+    deadline = time.monotonic() + (PATIENCE if patience is None else patience)
+    while True:
+        busy, mbs = _activity()
+        if busy < cpu and mbs < disk_mbs:
+            return
+        if time.monotonic() > deadline:
+            BUSY_RUNS.append(f"{what} (CPU {busy:.0%} busy, disk {mbs:.0f} MB/s)")
+            return
+        time.sleep(2.0)
+
+
+def _dirty_kib() -> int:
+    """Dirty + Writeback pages in KiB (Linux), 0 where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as handle:
+            fields = dict(line.split(":", 1) for line in handle)
+    except OSError:
+        return 0
+    return sum(int(fields.get(k, "0 kB").split()[0]) for k in ("Dirty", "Writeback"))
 
 
 def dir_bytes(directory: Path) -> int:
@@ -316,6 +393,7 @@ def bench_cp(src: Path, out: Path, repeat: int, checkpoint: str, sync: bool) -> 
     for _ in range(repeat):
         warm(src)
         quiesce(out)
+        wait_quiet(case.name)
         cmd = ["sh", "-c", script, "sh", str(src), str(out)] if script else ["cp", "-r", str(src), str(out)]
         timed = checked(run_timed(cmd), "cp -r")
         case.walls.append(timed.wall)
@@ -336,17 +414,20 @@ def bench_mpicons(
     repeat: int,
     checkpoint: str,
     identical: list[str],
+    extra: Sequence[str] = (),
 ) -> Case:
     """``mpicons consolidate`` under ``mpiexec -n ranks``; each output is cmp'd against the first one."""
-    case = Case(f"mpicons -n {ranks} {split}/{io}", checkpoint, 0.0, ranks=ranks)
-    stats_file = stats_dir / f"{checkpoint}-{ranks}-{split}-{io}.json"
+    suffix = "".join(" " + a.lstrip("-") for a in extra)
+    case = Case(f"mpicons -n {ranks} {split}/{io}{suffix}", checkpoint, 0.0, ranks=ranks)
+    stats_file = stats_dir / f"{checkpoint}-{ranks}-{split}-{io}{suffix.replace(' ', '-')}.json"
     best_call = float("inf")
     for _ in range(repeat):
         warm(src)
         quiesce(out)
+        wait_quiet(case.name)
         stats_file.unlink(missing_ok=True)
         cmd = mpirun(ranks, [*MPICONS, "consolidate", str(src), str(out), "--force", "--stats-json", str(stats_file), "-q",
-                             "--split", split, "--io", io])
+                             "--split", split, "--io", io, *extra])
         timed = checked(run_timed(cmd), case.name)
         stats = json.loads(stats_file.read_text())
         case.walls.append(timed.wall)
@@ -360,7 +441,7 @@ def bench_mpicons(
                 "bytes_per_rank": stats["bytes_per_rank"],
                 "imbalance": stats["imbalance"],
                 "peak_rss_mb_stats": stats["peak_rss_mb"]["max"],
-                "peak_rss_mb_wait4": timed.rss_mb,
+                "peak_rss_mb_tree": timed.rss_mb,
                 "total_bytes": stats["total_bytes"],
             }
         if not reference.exists():
@@ -377,10 +458,20 @@ def bench_mpicons(
     return case
 
 
+def mpicons_has(option: str) -> bool:
+    """Whether this mpicons' consolidate command knows ``option`` (newer options are benchmarked when present)."""
+    text = subprocess.run([*MPICONS, "consolidate", "--help"], capture_output=True, text=True, env=CHILD_ENV,
+                          cwd=CHILD_CWD).stdout
+    return option in text
+
+
+NO_SYNC = ("--no-sync",)
+
+
 def torch_available() -> bool:
     """Whether torch imports in the benchmark's interpreter (checked in a child: torch stays optional)."""
     return subprocess.run([PYTHON, "-c", "import torch.distributed.checkpoint._consolidate_hf_safetensors"],
-                          capture_output=True).returncode == 0
+                          capture_output=True, cwd=CHILD_CWD).returncode == 0
 
 
 def _free_port() -> int:
@@ -394,7 +485,7 @@ def run_torch_once(src: Path, out: Path, mapping_file: Path, ranks: int, threads
     result_file = out.parent / f"torch-result-{ranks}.json"
     result_file.unlink(missing_ok=True)
     args = [PYTHON, THIS, "_torch", str(src), str(out), str(mapping_file), str(result_file), "--threads", str(threads)]
-    env = dict(os.environ)
+    env = dict(CHILD_ENV)
     if ranks > 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), GLOO_SOCKET_IFNAME="lo")
         cmd = mpirun(ranks, args + ["--every-rank"])
@@ -410,17 +501,22 @@ def bench_torch(src: Path, out: Path, mapping_file: Path, reference: Path, ranks
     """torch's consolidate_safetensors_files (1 process) or ..._on_every_rank (gloo, ``ranks`` ranks)."""
     label = "consolidate_safetensors_files" if ranks == 1 else f"..._on_every_rank -n {ranks}"
     case = Case(f"torch {label}", checkpoint, 0.0, ranks=ranks)
+    durable = []
     for _ in range(repeat):
         warm(src)
         quiesce(out)
         out.mkdir(parents=True)
+        wait_quiet(case.name)
         timed, result = run_torch_once(src, out, mapping_file, ranks, threads)
         if timed.code != 0 or result.get("error"):
             raise SystemExit(f"bench: {case.name} failed: {result.get('error') or timed.log[-3000:]}")
         case.walls.append(timed.wall)
         case.calls.append(result["call_s"])
+        durable.append(result["call_s"] + result["sync_s"])
         case.rss_mb = max(case.rss_mb or 0.0, result["peak_rss_mb"], timed.rss_mb)
-        case.detail = {"import_s": result["import_s"], "peak_rss_mb_wait4": timed.rss_mb, "threads": threads}
+        case.detail = {"import_s": result["import_s"], "peak_rss_mb_tree": timed.rss_mb, "threads": threads}
+    case.detail["call_plus_fsync_s"] = min(durable)
+    case.detail["calls_plus_fsync_s"] = durable
     problem = same_tensors(reference, out)
     case.detail["same_tensors_as_mpicons"] = problem is None
     if problem:
@@ -472,7 +568,17 @@ def torch_worker(argv: Sequence[str]) -> None:
         call_s, rss = float(values[0]), float(values[1])
         dist.destroy_process_group()
     if rank == 0:
-        Path(args.result).write_text(json.dumps({"import_s": import_s, "call_s": call_s, "peak_rss_mb": rss, "error": error}))
+        # torch does not fsync its outputs (mpicons does): time that separately for a durable comparison.
+        began = time.perf_counter()
+        for path in sorted(Path(args.output_dir).iterdir()):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        sync_s = time.perf_counter() - began
+        Path(args.result).write_text(json.dumps({"import_s": import_s, "call_s": call_s, "sync_s": sync_s,
+                                                 "peak_rss_mb": rss, "error": error}))
 
 
 # ---------------------------------------------------------------- planning at scale
@@ -694,6 +800,7 @@ def bench_planning_disk(workdir: Path, repeat: int, train_ranks: int, tensors: i
         result_file = workdir / f"scan-{n}.json"
         walls, scans, plans, rss = [], [], [], 0.0
         for _ in range(repeat):
+            wait_quiet(f"scan -n {n}")
             timed = checked(run_timed(mpirun(n, [PYTHON, THIS, "_scan", str(directory), str(result_file)])), "scan")
             got = json.loads(result_file.read_text())
             walls.append(timed.wall)
@@ -703,6 +810,48 @@ def bench_planning_disk(workdir: Path, repeat: int, train_ranks: int, tensors: i
             result["pieces"] = got["pieces"]
         result["runs"][n] = {"wall_s": min(walls), "scan_s": min(scans), "plan_s": min(plans), "peak_rss_mb": rss}
     return result
+
+
+# ---------------------------------------------------------------- the sources under test
+
+
+def snapshot_sources(workdir: Path, source: str) -> tuple[Path, str]:
+    """Freeze the mpicons package for the whole run; returns (snapshot root, label).
+
+    The working tree may change while a long run is going (someone editing, a branch switch):
+    every process of the run imports this copy instead, through PYTHONPATH, so all the numbers
+    come from one version. ``source`` is ``worktree`` (the files as they are now) or ``head``
+    (the last commit, whatever the working tree holds).
+    """
+    import hashlib
+
+    root = workdir / "src"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    if source == "head":
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                check=True).stdout.strip()
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD", "mpicons"], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+        label = f"commit {commit}"
+    else:
+        shutil.copytree(REPO / "mpicons", root / "mpicons", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        status = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "mpicons"], capture_output=True,
+                                text=True).stdout.strip()
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True).stdout.strip() or "unknown"
+        label = f"working tree at {commit}" + (" with uncommitted changes" if status else "")
+    files = sorted((root / "mpicons").glob("*.py"))
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()[:12]
+    return root, f"{label} (sources sha256 {digest})"
+
+
+def use_snapshot(root: Path, workdir: Path) -> None:
+    """Make this process and every child import mpicons from ``root``."""
+    global CHILD_CWD
+    sys.path.insert(0, str(root))
+    CHILD_ENV["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
+    CHILD_CWD = str(workdir)  # not the repository: '' on sys.path would find its mpicons first
 
 
 # ---------------------------------------------------------------- machine and reporting
@@ -731,9 +880,13 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def table(cases: list[Case], cp: dict[str, float], torch_call: float | None, torch_ckpt: str) -> str:
-    """The report: seconds, ratios to cp (wall/wall, same checkpoint) and torch (call/call)."""
+    """The report: seconds, ratios to cp (wall/wall, same checkpoint) and torch (call/call).
+
+    ``x cp`` and ``x torch`` are this case's time divided by the reference's: below 1 is faster.
+    ``worst s`` is the slowest repeat, to show how noisy the machine was.
+    """
     head = (f"{'case':<40}{'ckpt':>6}{'wall s':>9}{'call s':>9}{'x cp':>7}{'x torch':>9}"
-            f"{'RSS/rank MB':>13}{'bytes/rank max/mean MB':>24}{'max/mean':>10}")
+            f"{'RSS/rank MB':>13}{'bytes/rank max/mean MB':>24}{'max/mean':>10}{'worst s':>9}")
     lines = [head, "-" * len(head)]
     for c in cases:
         ref = cp.get(c.checkpoint)
@@ -743,6 +896,7 @@ def table(cases: list[Case], cp: dict[str, float], torch_call: float | None, tor
         lines.append(
             f"{c.name:<40}{c.checkpoint:>6}{c.wall:>9.2f}{_fmt(c.call, '.2f'):>9}{_fmt(x_cp, '.2f'):>7}"
             f"{_fmt(x_torch, '.3f'):>9}{_fmt(c.rss_mb, '.0f'):>13}{per_rank:>24}{_fmt(c.imbalance, '.3f'):>10}"
+            f"{max(c.walls):>9.2f}"
         )
     return "\n".join(lines)
 
@@ -759,12 +913,25 @@ def targets(cases: list[Case], cp: dict[str, float], torch_call: float | None, t
         speedup = torch_call / one.call
         out.append(f"{'PASS' if speedup >= 4 else 'FAIL'}: mpicons -n 1 vs torch consolidate_safetensors_files "
                    f"(call): {speedup:.1f}x faster (target >= 4x)")
+        torch_one = next(c for c in cases if c.name == "torch consolidate_safetensors_files")
+        durable = torch_one.detail["call_plus_fsync_s"] / one.call
+        out.append(f"info: the same with torch's outputs fsynced as mpicons' are (call + fsync "
+                   f"{torch_one.detail['call_plus_fsync_s']:.2f} s): {durable:.1f}x faster")
+        one_ns = find(torch_ckpt, "mpicons -n 1 bytes/posix no-sync")
+        if one_ns:
+            out.append(f"info: mpicons -n 1 --no-sync vs torch (neither fsyncs): {torch_call / one_ns.call:.1f}x faster")
     else:
         out.append("n/a: mpicons -n 1 vs torch (torch not measured)")
     two = find("full", "mpicons -n 2 bytes/posix")
     if two and cp.get("full"):
         ratio = two.wall / cp["full"]
         out.append(f"{'PASS' if ratio <= 1.5 else 'FAIL'}: mpicons -n 2 whole process / cp -r: {ratio:.2f} (target <= 1.5)")
+    two_ns = find("full", "mpicons -n 2 bytes/posix no-sync")
+    if two_ns and cp.get("full"):
+        out.append(f"info: the same without fsync (--no-sync, as cp writes): {two_ns.wall / cp['full']:.2f}")
+    sync_cp = next((c for c in cases if c.checkpoint == "full" and c.name == "cp -r + sync"), None)
+    if two and sync_cp:
+        out.append(f"info: mpicons -n 2 whole process / (cp -r + sync), both durable: {two.wall / sync_cp.wall:.2f}")
     rss = max((c.rss_mb or 0.0) for c in cases if c.name.startswith("mpicons"))
     out.append(f"{'PASS' if rss < 200 else 'FAIL'}: mpicons peak RSS per rank, max over all runs: {rss:.0f} MB (target < 200)")
     four = find("full", "mpicons -n 4 bytes/posix")
@@ -779,12 +946,12 @@ def planning_report(memory: dict[str, Any], disk: dict[str, Any] | None) -> str:
         f"planning, in memory: {memory['train_ranks']} training ranks, {memory['tensors']} tensors, "
         f"{memory['pieces']:,} pieces in {memory['files']:,} files -> {memory['output_files']} outputs "
         f"({memory['output_bytes'] / 1e12:.2f} TB), {memory['ranks']} ranks",
-        f"  merge_tables of {memory['ranks']} parts  {memory['merge_tables_s']:8.3f} s",
+        f"  {'merge_tables of ' + str(memory['ranks']) + ' parts':<26}{memory['merge_tables_s']:8.3f} s",
     ]
     if "reorder_files_s" in memory:
-        lines.append(f"  scan's file reorder        {memory['reorder_files_s']:8.3f} s")
+        lines.append(f"  {'scan file reorder':<26}{memory['reorder_files_s']:8.3f} s")
     for split in ("bytes", "files"):
-        lines.append(f"  build_plan split={split:<6}   {memory[f'build_plan_{split}_s']:8.3f} s   "
+        lines.append(f"  {'build_plan split=' + split:<26}{memory[f'build_plan_{split}_s']:8.3f} s   "
                      f"(bytes/rank max/mean {memory[f'imbalance_{split}']:.3f})")
     if disk:
         lines.append(f"planning, on disk: {disk['files']:,} header-only shard files ({disk['bytes_on_disk'] / 1e6:.0f} MB), "
@@ -809,6 +976,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--torch-threads", type=int, default=1, help="num_threads for torch (default: %(default)s)")
     parser.add_argument("--no-torch", action="store_true", help="skip torch even when it is installed")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write every number as JSON")
+    parser.add_argument("--source", choices=("worktree", "head"), default="worktree",
+                        help="mpicons to benchmark: the working tree as it is at the start, or the last commit "
+                             "(either is copied first, so edits during the run do not mix versions; default: %(default)s)")
+    parser.add_argument("--patience", type=float, default=PATIENCE,
+                        help="seconds each run waits for idle CPUs and disk before starting anyway (default: %(default)s)")
     parser.add_argument("--planning", action="store_true", help="planning benchmark instead (2,048 ranks, 2M pieces)")
     parser.add_argument("--train-ranks", type=int, default=2048, help="planning: training ranks (default: %(default)s)")
     parser.add_argument("--tensors", type=int, default=1000, help="planning: tensors (default: %(default)s)")
@@ -823,9 +995,11 @@ def main_planning(args: argparse.Namespace) -> dict[str, Any]:
     if args.disk_files:
         outputs = 10
         train_ranks = max(1, args.disk_files // outputs)
-        disk = bench_planning_disk(args.workdir, args.repeat, train_ranks, args.tensors, outputs, [1, 4])
+        disk = bench_planning_disk(args.workdir, args.repeat, train_ranks, args.tensors, outputs, [1, 2, 4])
     print(planning_report(memory, disk))
-    return {"planning_memory": memory, "planning_disk": disk}
+    if BUSY_RUNS:
+        print(f"note: {len(BUSY_RUNS)} runs started while other processes kept the CPUs busy: {'; '.join(BUSY_RUNS)}")
+    return {"planning_memory": memory, "planning_disk": disk, "busy_runs": BUSY_RUNS}
 
 
 def main_consolidate(args: argparse.Namespace) -> dict[str, Any]:
@@ -848,6 +1022,12 @@ def main_consolidate(args: argparse.Namespace) -> dict[str, Any]:
             for io in ios:
                 cases.append(bench_mpicons(full, out, reference, stats_dir, n, split, io, args.repeat, "full", identical))
                 print(f"bench: {cases[-1].name}: {cases[-1].wall:.2f} s")
+    no_sync = mpicons_has(NO_SYNC[0])
+    if no_sync:  # without fsync, as cp -r and torch write: the copying alone
+        for n in (1, 2):
+            cases.append(bench_mpicons(full, out, reference, stats_dir, n, "bytes", "posix", args.repeat, "full", identical,
+                                       NO_SYNC))
+            print(f"bench: {cases[-1].name}: {cases[-1].wall:.2f} s")
 
     torch_call, checkpoint = None, "full"
     if args.no_torch:
@@ -877,6 +1057,9 @@ def main_consolidate(args: argparse.Namespace) -> dict[str, Any]:
             quiesce(reference_t)
             for n in (1, 2):
                 cases.append(bench_mpicons(src, out, reference_t, stats_dir, n, "bytes", "posix", args.repeat, checkpoint, identical))
+            if no_sync:
+                cases.append(bench_mpicons(src, out, reference_t, stats_dir, 1, "bytes", "posix", args.repeat, checkpoint,
+                                           identical, NO_SYNC))
         for n in (1, 2):
             case = bench_torch(src, out, mapping_file, reference_t, n, args.repeat, args.torch_threads, checkpoint)
             cases.append(case)
@@ -892,6 +1075,8 @@ def main_consolidate(args: argparse.Namespace) -> dict[str, Any]:
     print(f"sample: {sample_bytes / 1e9:.3f} GB in {len(list(full.iterdir()))} shard files; best of {args.repeat}; "
           f"'call' = the consolidation itself (mpicons: stats elapsed.max; torch: timed around the call)")
     print(table(cases, cp, torch_call, checkpoint))
+    if BUSY_RUNS:
+        notes.append(f"{len(BUSY_RUNS)} runs started while other processes kept the CPUs busy: {'; '.join(BUSY_RUNS)}")
     mpicons_runs = sum(len(c.walls) for c in cases if c.name.startswith("mpicons"))
     notes.append(f"all {mpicons_runs} mpicons outputs are byte-identical (cmp of every file) to the first one "
                  f"of their checkpoint ({len(identical)} compared + the references)")
@@ -903,7 +1088,7 @@ def main_consolidate(args: argparse.Namespace) -> dict[str, Any]:
     for line in goals:
         print(line)
     return {"sample_bytes": sample_bytes, "cases": [asdict(c) for c in cases], "cp_s": cp, "torch_call_s": torch_call,
-            "torch_checkpoint": checkpoint, "notes": notes, "targets": goals}
+            "torch_checkpoint": checkpoint, "notes": notes, "targets": goals, "busy_runs": BUSY_RUNS}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -913,13 +1098,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         workers[argv[0]](argv[1:])
         return 0
     args = parse_args(argv)
+    global PATIENCE
+    PATIENCE = args.patience
     args.workdir = args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
+    root, label = snapshot_sources(args.workdir, args.source)
+    use_snapshot(root, args.workdir)
     info = machine_info(args.workdir)
+    info["mpicons"] = label
     command = " ".join([os.path.relpath(PYTHON), os.path.relpath(THIS), *argv])
     print(f"bench: {command}")
     print(f"machine: {info['nproc']} cores, kernel {info['kernel']}, {info['filesystem']} at {args.workdir}, torch {info['torch']}")
+    print(f"mpicons: {label}")
     result = main_planning(args) if args.planning else main_consolidate(args)
     total = time.perf_counter() - began
     print(f"\nbench: done in {total:.0f} s")

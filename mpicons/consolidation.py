@@ -14,7 +14,7 @@ from .exchange import ExchangeExecutor
 from .errors import InputError, MpiconsError, WriteError
 from .hdf5 import HDF5_NAME, create_layout, retarget
 from .io import MpiioOutput, SourceFiles, open_output
-from .parallel import Comm, agree, signals_deferred
+from .parallel import Comm, agree, signals_deferred, wait_for_all
 from .progress import Progress
 from .plan import INDEX_NAME, Plan, build_plan, parse_mapping
 from .routing import Routes, route
@@ -258,6 +258,7 @@ def _write_share(
         # Always report the end (so rank 0 never waits for a rank that failed); rank 0 waits only on success.
         if reporter is not None:
             reporter.finish(wait_for_others=ok)
+        wait_for_all(channel)
         if channel is not comm:
             channel.Free()
 

@@ -9,6 +9,7 @@ first failure, naming the rank it happened on.
 from __future__ import annotations
 
 import signal
+import time
 import traceback
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, TypeVar
@@ -119,6 +120,19 @@ def agree(comm: Comm, fn: Callable[[], T], *, gather: bool = False, root: int | 
         return [v for _, v in outcomes]
     _raise_first(comm.allgather(error))
     return value
+
+
+def wait_for_all(comm: Comm, poll: float = 0.002) -> None:
+    """A barrier that sleeps instead of spinning: ranks that finish early leave the CPU to the others.
+
+    MPI implementations busy-poll inside blocking collectives; with more ranks than cores (or
+    one rank per core and I/O threads), idle ranks would slow down the ones still working.
+    Every rank must call this, failing or not, before the next collective.
+    """
+    request = comm.Ibarrier()
+    with signals_deferred():
+        while not request.Test():
+            time.sleep(poll)
 
 
 def any_rank(comm: Comm, flag: bool) -> bool:
