@@ -17,16 +17,9 @@ import numpy as np
 from mpi4py import MPI
 
 from .parallel import Comm
+from .stats import human_bytes
 
 TAG = 17
-
-
-def human_bytes(count: float) -> str:
-    """Decimal units, as storage vendors and Hugging Face count them."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.2f} {unit}"
-    return f"{int(count)} B"
 
 
 def _duration(seconds: float) -> str:

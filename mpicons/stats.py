@@ -77,17 +77,25 @@ class Stats:
 
     def table(self) -> str:
         lines = [
-            f"mpicons: {self.files} files, {self.tensors} tensors, {self.total_bytes / 1e9:.3f} GB "
+            f"mpicons: {self.files} files, {self.tensors} tensors, {human_bytes(self.total_bytes)} "
             f"on {self.ranks} rank{'s' if self.ranks != 1 else ''}",
             f"{'phase':<10}{'min s':>10}{'mean s':>10}{'max s':>10}",
         ]
         for name, spread in [*self.phases.items(), ("total", self.elapsed)]:
             lines.append(f"{name:<10}{spread.min:>10.3f}{spread.mean:>10.3f}{spread.max:>10.3f}")
         lines.append(
-            f"rate {self.rate_gbs:.2f} GB/s overall, {self.write_rate_gbs:.2f} GB/s writing; bytes/rank max/mean "
-            f"{self.imbalance:.2f}; peak RSS/rank max {self.peak_rss_mb.max:.0f} MB"
+            f"rate {human_bytes(self.rate_gbs * 1e9)}/s overall, {human_bytes(self.write_rate_gbs * 1e9)}/s writing; "
+            f"bytes/rank max/mean {self.imbalance:.2f}; peak RSS/rank max {self.peak_rss_mb.max:.0f} MB"
         )
         return "\n".join(lines)
+
+
+def human_bytes(count: float) -> str:
+    """Decimal units, as storage vendors and Hugging Face count them."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.2f} {unit}"
+    return f"{int(count)} B"
 
 
 def peak_rss_mb() -> float:
