@@ -65,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--against", metavar="DIR", help="also compare every tensor with the sharded checkpoint in DIR")
     check.add_argument("--buffer-size", type=parse_size, default=DEFAULT_BUFFER_SIZE, metavar="SIZE",
                        help="memory per rank for comparing blocks (default: 32M)")
+    check.add_argument("--dtype", choices=sorted(TARGETS), help="the output was written with --dtype: convert the shards alike")
     check.add_argument("--json", metavar="FILE", help="write the report as JSON")
     check.add_argument("-q", "--quiet", action="store_true", help="print only the problems")
     check.set_defaults(func=_cmd_verify)
@@ -188,7 +189,7 @@ def _cmd_verify(args: argparse.Namespace, comm: Comm) -> int:
     """Exit 0 when the checkpoint is sound, 1 when it is not (bad arguments raise InputError: exit 2)."""
     from .verify import verify
 
-    report = verify(args.output_dir, against=args.against, comm=comm, buffer_size=args.buffer_size)
+    report = verify(args.output_dir, against=args.against, comm=comm, buffer_size=args.buffer_size, dtype=args.dtype)
     if comm.rank == 0:
         for line in report.lines():
             print(line)

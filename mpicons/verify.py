@@ -22,6 +22,7 @@ from .errors import InputError, MpiconsError
 from .format import DTYPE_BY_NAME, Header, read_header
 from .io import SourceFiles
 from .parallel import Comm, agree
+from .convert import convert, numpy_dtype
 from .plan import INDEX_NAME, OUTPUT_METADATA, Plan, WorkItem, build_plan
 from .scan import scan
 
@@ -363,19 +364,24 @@ class _Comparer:
         self.outputs = outputs
         self.block = np.empty(half, dtype=np.uint8)
         self.scratch = np.empty(half, dtype=np.uint8)
+        self.converted = np.empty(half, dtype=np.uint8)
 
     def compare(self, item: WorkItem, out_file: int, out_start: int) -> _Diff:
         plan = self.plan
         tensor = plan.tensors[item.tensor]
         lo, hi = plan.piece_start[item.tensor], plan.piece_start[item.tensor + 1]
         diff = _Diff()
+        dtypes = None
+        if tensor.source_dtype != tensor.dtype:  # written with --dtype: compare with the converted shards
+            dtypes = (numpy_dtype(tensor.source_dtype), numpy_dtype(tensor.dtype))
         try:
             self._region(
                 diff,
                 out_file,
                 out_start,
                 tensor.storage,
-                tensor.unit,
+                (tensor.source_unit, tensor.unit),
+                dtypes,
                 plan.piece_file[lo:hi],
                 plan.piece_begin[lo:hi],
                 plan.piece_shape[lo:hi],
@@ -394,7 +400,8 @@ class _Comparer:
         file: int,
         base: int,
         storage: tuple[int, ...],
-        unit: int,
+        units: tuple[int, int],
+        dtypes: tuple[np.dtype, np.dtype] | None,
         src: np.ndarray,
         begin: np.ndarray,
         shape: np.ndarray,
@@ -403,12 +410,17 @@ class _Comparer:
         row_end: int,
         prefix: tuple[int, ...],
     ) -> None:
-        """Rows [row_begin, row_end) of a region of shape ``storage`` whose row 0 is at ``base`` of the output."""
-        row_bytes = int(np.prod(storage[1:], dtype=np.int64)) * unit
-        piece_row_bytes = np.prod(shape[:, 1:], axis=1) * unit
+        """Rows [row_begin, row_end) of a region of shape ``storage`` whose row 0 is at ``base`` of the output.
+
+        ``units`` are the bytes per element in the shards and in the output (they differ under ``--dtype``).
+        """
+        unit_in, unit = units
+        row_elements = int(np.prod(storage[1:], dtype=np.int64))
+        row_bytes = row_elements * unit
+        piece_row_bytes = np.prod(shape[:, 1:], axis=1) * unit_in
         hit = (offset[:, 0] < row_end) & (offset[:, 0] + shape[:, 0] > row_begin)
         src, begin, shape, offset, piece_row_bytes = src[hit], begin[hit], shape[hit], offset[hit], piece_row_bytes[hit]
-        if row_bytes > len(self.block):
+        if row_elements * max(unit_in, unit) > len(self.block):
             for row in range(row_begin, row_end):
                 inside = (offset[:, 0] <= row) & (row < offset[:, 0] + shape[:, 0])
                 self._region(
@@ -416,7 +428,8 @@ class _Comparer:
                     file,
                     base + row * row_bytes,
                     storage[1:],
-                    unit,
+                    units,
+                    dtypes,
                     src[inside],
                     begin[inside] + (row - offset[inside, 0]) * piece_row_bytes[inside],
                     shape[inside, 1:],
@@ -426,7 +439,7 @@ class _Comparer:
                     prefix + (row,),
                 )
             return
-        rows_per_block = len(self.block) // row_bytes
+        rows_per_block = len(self.block) // (row_elements * max(unit_in, unit))
         for block_begin in range(row_begin, row_end, rows_per_block):
             block_end = min(row_end, block_begin + rows_per_block)
             rows = block_end - block_begin
@@ -439,6 +452,10 @@ class _Comparer:
                 count = int(last[i] - first[i])
                 chunk = self.scratch[: count * int(piece_row_bytes[i])]
                 self.sources.read_into(int(src[i]), int(begin[i] + (first[i] - offset[i, 0]) * piece_row_bytes[i]), memoryview(chunk))
+                if dtypes is not None:
+                    converted = self.converted[: len(chunk) // unit_in * unit]
+                    convert(chunk.view(dtypes[0]), converted.view(dtypes[1]))
+                    chunk = converted
                 want = chunk.reshape((count, *(int(s) for s in shape[i, 1:]), unit))
                 target = (slice(int(first[i]) - block_begin, int(last[i]) - block_begin),) + tuple(
                     slice(int(o), int(o + s)) for o, s in zip(offset[i, 1:], shape[i, 1:])
@@ -578,12 +595,14 @@ def verify(
     against: str | os.PathLike[str] | None = None,
     comm: Comm | None = None,
     buffer_size: int = DEFAULT_BUFFER_SIZE,
+    dtype: str | None = None,
 ) -> VerifyReport:
     """Check the consolidated checkpoint in ``output_dir``; with ``against``, every tensor against the shards.
 
     Collective over ``comm`` (default ``MPI.COMM_WORLD``). Problems with the checkpoint are collected
     in the returned report (the same on every rank), not raised. Raises :class:`InputError` on every
-    rank when the arguments are unusable (missing directory, unreadable shards).
+    rank when the arguments are unusable (missing directory, unreadable shards). ``dtype``: the
+    output was written with ``--dtype``; the shards are converted the same way before comparing.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
     output_dir = os.fspath(output_dir)
@@ -604,7 +623,7 @@ def verify(
     )
     if against is not None:
         table = scan(against, comm)
-        plan = agree(comm, lambda: build_plan(table, comm.size))
+        plan = agree(comm, lambda: build_plan(table, comm.size, dtype=dtype))
         comparable, more = _against_checks(plan, against, output_dir, listing, results, located)
         problems += more
         # Shards on a shared filesystem: the plan's byte-balanced rows. Node-local shards (``{rank}`` in

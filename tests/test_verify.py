@@ -356,3 +356,27 @@ def test_cli_exit_codes_at_3_ranks(tmp_path):
     no_shards = _mpirun(3, ["verify", str(out), "--against", str(tmp_path / "missing")])
     assert no_shards.returncode == 2
     assert "input directory does not exist" in no_shards.stderr
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("option", ["bf16", "fp32"])
+def test_verify_against_shards_of_a_converted_output(option, mpi_tmp_path):
+    """--dtype outputs are checked against the shards converted the same way; a flipped byte is still found."""
+    comm = MPI.COMM_WORLD
+    out = mpi_tmp_path / "out"
+    mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", out, comm=comm, dtype=option)
+    clean = verify(out, against=FIXTURES / "edge-3ranks" / "sharded", comm=comm, dtype=option, buffer_size=1 << 10)
+    plain = verify(out, against=FIXTURES / "edge-3ranks" / "sharded", comm=comm)
+    if comm.rank == 0:
+        path = out / "model-00001-of-00002.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-40] ^= 0xFF
+        path.write_bytes(bytes(data))
+    comm.Barrier()
+    broken = verify(out, against=FIXTURES / "edge-3ranks" / "sharded", comm=comm, dtype=option)
+    results = comm.allgather((clean.ok, plain.ok, len(broken.problems), [p.what for p in broken.problems]))
+    assert all(r == results[0] for r in results)
+    clean_ok, plain_ok, broken_count, broken_what = results[0]
+    assert clean_ok
+    assert not plain_ok  # without --dtype the dtypes differ from the shards'
+    assert broken_count == 1 and "differs from the shards" in broken_what[0]
