@@ -14,7 +14,7 @@ from mpi4py import MPI
 
 from . import __version__
 from .convert import TARGETS
-from .consolidation import DEFAULT_BUFFER_SIZE, ConsolidateResult, consolidate
+from .consolidation import DEFAULT_BUFFER_SIZE, FORMATS, ConsolidateResult, consolidate
 from .errors import InputError, MpiconsError
 from .io import BACKENDS
 from .parallel import Comm, install_signal_handlers
@@ -104,6 +104,8 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--dtype", choices=sorted(TARGETS), help="convert floating-point tensors (round to nearest even)")
     cmd.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
                      help="re-shard like Hugging Face, e.g. 5GB (10^9 bytes), instead of following the shard names")
+    cmd.add_argument("--format", dest="output_format", choices=FORMATS, default="safetensors",
+                     help="output: Hugging Face safetensors files (default) or one HDF5 file (needs h5py)")
     cmd.add_argument("--gather-to", type=int, metavar="RANK",
                      help="write every output on this rank only (its local OUTPUT_DIR); data moves over MPI")
     cmd.add_argument("--split", choices=sorted(SPLITS), default="bytes", help="work split over ranks (default: %(default)s)")
@@ -132,6 +134,9 @@ def _job_kwargs(args: argparse.Namespace) -> dict[str, object]:
         progress=None if args.quiet or args.progress <= 0 else args.progress,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
+        output_format=args.output_format,
+        gather_to=args.gather_to,
+        sync=args.sync,
         verbose=args.verbose,
     )
 
@@ -153,6 +158,8 @@ def _report(args: argparse.Namespace, comm: Comm, result: ConsolidateResult) -> 
     if args.stats_json:
         report = result.stats.to_dict()
         report["files"] = result.files
+        report["moved_bytes"] = result.moved_bytes
+        report["shared_input"] = result.shared_input
         with open(args.stats_json, "w", encoding="utf-8") as handle:
             json.dump(report, handle, indent=2)
             handle.write("\n")
