@@ -273,41 +273,10 @@ def write_float_sample(directory: str, config: Any, comm: Any = None) -> None:
     torch's consolidator calls ``torch.finfo`` on every dtype and so crashes on integer and
     bool tensors; the float tensors here are cut and valued exactly as in the full sample.
     """
-    import numpy as np
+    from mpicons.format import DTYPE_BY_NAME
+    from mpicons.sample import write_sample
 
-    from mpicons.format import DTYPE_BY_NAME, build_header
-    from mpicons.sample import _placements, full_tensor, shard_name, tensor_specs
-
-    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    specs = [s for s in tensor_specs(config) if DTYPE_BY_NAME[s[1]].is_float]
-    placements = _placements(config)
-    os.makedirs(directory, exist_ok=True)
-    for index in range(1 + rank, config.files + 1, size):
-        per_rank: dict[int, list[tuple[str, str, Any, tuple[int, ...]]]] = {r: [] for r in range(config.world)}
-        for name, dtype, shape, placement, file_index in specs:
-            if file_index != index:
-                continue
-            full = full_tensor(config, name, dtype, shape)
-            for dp in range(config.dp):
-                for tp in range(config.tp):
-                    box = placements[placement](shape, dp, tp)
-                    if box is None:
-                        continue
-                    offsets, extent = box
-                    region = tuple(slice(o, o + s) for o, s in zip(offsets, extent))
-                    per_rank[dp * config.tp + tp].append((name, dtype, full[region], offsets))
-        for train_rank, pieces in per_rank.items():
-            if not pieces:
-                continue
-            info = {name: {"saved_offsets": list(offsets)} for name, _, _, offsets in pieces}
-            metadata = {"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps(info)}
-            header, _ = build_header([(n, d, data.shape) for n, d, data, _ in pieces], metadata)
-            with open(os.path.join(directory, shard_name(train_rank, index, config.files)), "wb") as handle:
-                handle.write(header)
-                for _, _, data, _ in pieces:
-                    handle.write(np.ascontiguousarray(data).tobytes())
-    if comm is not None:
-        comm.Barrier()
+    write_sample(directory, config, comm, keep=lambda name, dtype: DTYPE_BY_NAME[dtype].is_float)
 
 
 def sample_worker(argv: Sequence[str]) -> None:

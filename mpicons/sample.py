@@ -177,9 +177,11 @@ def _write_shard(path: str, pieces: list[tuple[str, str, np.ndarray, tuple[int, 
             handle.write(np.ascontiguousarray(data).tobytes())
 
 
-def _pieces_of_file(c: SampleConfig, index: int) -> Iterator[tuple[int, list[tuple[str, str, np.ndarray, tuple[int, ...]]]]]:
+def _pieces_of_file(
+    c: SampleConfig, index: int, keep: Callable[[str, str], bool]
+) -> Iterator[tuple[int, list[tuple[str, str, np.ndarray, tuple[int, ...]]]]]:
     placements = _placements(c)
-    members = [s for s in tensor_specs(c) if s[4] == index]
+    members = [s for s in tensor_specs(c) if s[4] == index and keep(s[0], s[1])]
     per_rank: dict[int, list[tuple[str, str, np.ndarray, tuple[int, ...]]]] = {r: [] for r in range(c.world)}
     for name, dtype, shape, placement, _ in members:
         full = full_tensor(c, name, dtype, shape)
@@ -194,10 +196,16 @@ def _pieces_of_file(c: SampleConfig, index: int) -> Iterator[tuple[int, list[tup
     yield from per_rank.items()
 
 
-def write_sample(directory: str | os.PathLike[str], config: SampleConfig | None = None, comm: Comm | None = None) -> list[str]:
+def write_sample(
+    directory: str | os.PathLike[str],
+    config: SampleConfig | None = None,
+    comm: Comm | None = None,
+    keep: Callable[[str, str], bool] | None = None,
+) -> list[str]:
     """Write the sample sharded checkpoint into ``directory`` (split over ``comm`` if given).
 
     Returns the shard file names. With a communicator, output files are dealt to ranks.
+    ``keep(name, dtype)`` selects tensors (e.g. floats only, for consolidators that need that).
     """
     c = config or SampleConfig()
     directory = os.fspath(directory)
@@ -206,7 +214,7 @@ def write_sample(directory: str | os.PathLike[str], config: SampleConfig | None 
     def work() -> None:
         os.makedirs(directory, exist_ok=True)
         for index in range(1 + rank, c.files + 1, size):
-            for train_rank, pieces in _pieces_of_file(c, index):
+            for train_rank, pieces in _pieces_of_file(c, index, keep or (lambda name, dtype: True)):
                 if pieces:
                     _write_shard(os.path.join(directory, shard_name(train_rank, index, c.files)), pieces)
 
