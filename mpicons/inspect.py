@@ -24,6 +24,7 @@ from .errors import InputError
 from .format import DTYPES
 from .parallel import Comm, agree
 from .plan import SPLITS, Plan, build_plan, output_name
+from .stats import count_of as _count, human_bytes
 from .scan import DCP_SHARD_NAME, PieceTable, scan
 
 #: Width the table output is laid out for.
@@ -418,16 +419,7 @@ def _natural_key(name: str) -> list[tuple[int, object]]:
 
 
 def _size(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+    return "-" if n is None else human_bytes(n)
 
 
 def _shape(shape: tuple[int, ...]) -> str:

@@ -98,6 +98,11 @@ def human_bytes(count: float) -> str:
     return f"{int(count)} B"
 
 
+def count_of(n: int, noun: str) -> str:
+    """``1 file``, ``3 files``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
+
+
 def peak_rss_mb() -> float:
     """This process's peak resident set size in MB (Linux reports KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -24,6 +24,7 @@ from .io import SourceFiles
 from .parallel import Comm, agree
 from .convert import convert, numpy_dtype
 from .plan import INDEX_NAME, OUTPUT_METADATA, Plan, WorkItem, build_plan
+from .stats import count_of as _count, human_bytes
 from .scan import scan
 
 #: Smallest comparison buffer half: must hold one storage unit (≤ 8 bytes); tiny values are for tests.
@@ -119,10 +120,10 @@ class VerifyReport:
 
     def summary(self) -> str:
         status = "OK" if self.ok else _count(len(self.problems), "problem")
-        checked = f"{_count(len(self.files), 'file')}, {_count(self.tensors, 'tensor')}, {_size(self.total_bytes)}"
+        checked = f"{_count(len(self.files), 'file')}, {_count(self.tensors, 'tensor')}, {human_bytes(self.total_bytes)}"
         if self.against is not None:
             checked += (
-                f"; {self.compared_tensors} of {_count(self.shard_tensors, 'tensor')} ({_size(self.compared_bytes)}) "
+                f"; {self.compared_tensors} of {_count(self.shard_tensors, 'tensor')} ({human_bytes(self.compared_bytes)}) "
                 f"compared with {self.against}"
             )
         return f"mpicons verify: {status}: {self.output_dir} ({checked}) on {_count(self.ranks, 'rank')}"
@@ -141,17 +142,6 @@ class VerifyReport:
             "compared_bytes": self.compared_bytes,
             "problems": [p.to_dict() for p in self.problems],
         }
-
-
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}{'' if n == 1 else 's'}"
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} bytes"
 
 
 # ---------------------------------------------------------------- structure checks
