@@ -1,8 +1,41 @@
-"""mpicons: MPI-parallel consolidation of sharded (DCP) safetensors checkpoints."""
+"""mpicons: MPI-parallel consolidation of sharded (DCP) safetensors checkpoints.
 
-__version__ = "0.1.0"
+Importing mpicons does not start MPI: the exports below load on first use, and MPI starts only
+when a function is given no communicator (COMM_WORLD) or one is created.
+"""
 
-from .consolidation import ConsolidateResult, consolidate  # noqa: E402
-from .errors import InputError, MpiconsError, WriteError  # noqa: E402
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+
+_EXPORTS = {
+    "consolidate": "consolidation",
+    "ConsolidateResult": "consolidation",
+    "MpiconsError": "errors",
+    "InputError": "errors",
+    "WriteError": "errors",
+}
+
+if TYPE_CHECKING:
+    from .consolidation import ConsolidateResult, consolidate
+    from .errors import InputError, MpiconsError, WriteError
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mpicons' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = ["consolidate", "ConsolidateResult", "MpiconsError", "InputError", "WriteError", "__version__"]

@@ -1,28 +1,81 @@
-"""Command line: ``mpicons consolidate|demo``; run under mpiexec/srun or as a single process."""
+"""Command line: ``mpicons consolidate|inspect|verify|demo``; under mpiexec/srun or as a single process.
+
+The runner installs the signal handlers before MPI starts (MPI is imported only after argument
+parsing), aborts the whole job on any exception it did not expect (as ``python -m mpi4py`` does),
+prints usage errors once, and treats a closed standard output as the reader's choice, not a
+failure.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
 import traceback
-from typing import Callable, Sequence
-
-from mpi4py import MPI
+from typing import IO, TYPE_CHECKING, Any, Callable, NoReturn, Sequence
 
 from . import __version__
-from .convert import TARGETS
-from .consolidation import DEFAULT_BUFFER_SIZE, FORMATS, ConsolidateResult, consolidate
-from .errors import InputError, MpiconsError
-from .io import BACKENDS
-from .parallel import Comm, install_signal_handlers
-from .plan import SPLITS
+from .errors import InputError, MpiconsError, WriteError
+from .interrupts import install_handlers
 
+if TYPE_CHECKING:
+    from .consolidation import ConsolidateResult
+    from .parallel import Comm
+
+DEFAULT_BUFFER_SIZE = 32 << 20
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+#: Where launchers put a process's rank before MPI starts (MPICH/hydra, Open MPI, PMIx, Slurm, MVAPICH).
+_RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "MV2_COMM_WORLD_RANK")
+_SPLITS = ("bytes", "files")
+_BACKENDS = ("posix", "mpiio")
+_FORMATS = ("safetensors", "hdf5")
+_DTYPES = ("bf16", "fp16", "fp32")
+
+
+def launcher_rank() -> int:
+    """This process's rank as the launcher announced it (0 without a launcher); needs no MPI."""
+    for name in _RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors and help printed once per job (by rank 0), not once per rank."""
+
+    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+        if launcher_rank() == 0 and message:
+            say(message, file or sys.stderr, end="")
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def say(text: str, stream: IO[str] | None = None, end: str = "\n") -> None:
+    """Print and flush; a reader that went away (``| head``) silences further output instead of failing."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        stream.write(text + end)
+        stream.flush()
+    except BrokenPipeError:
+        _silence(stream)
+
+
+def _silence(stream: IO[str]) -> None:
+    """Point a closed stream at /dev/null, so neither later writes nor the exit-time flush fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
 
 def parse_size(text: str) -> int:
@@ -40,13 +93,28 @@ def _hint(text: str) -> tuple[str, str]:
     return key, value
 
 
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type for integers >= ``minimum``, so bad values are usage errors, not tracebacks."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
+        return value
+
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mpicons",
         description="Consolidate sharded (DCP) safetensors checkpoints into Hugging Face checkpoints, MPI-parallel.",
     )
     parser.add_argument("--version", action="version", version=f"mpicons {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = commands.add_parser("consolidate", help="consolidate INPUT_DIR into OUTPUT_DIR")
     run.add_argument("input_dir", help="directory of shard-RRRRR-model-IIIII-of-NNNNN.safetensors files")
@@ -65,8 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--against", metavar="DIR", help="also compare every tensor with the sharded checkpoint in DIR")
     check.add_argument("--buffer-size", type=parse_size, default=DEFAULT_BUFFER_SIZE, metavar="SIZE",
                        help="memory per rank for comparing blocks (default: 32M)")
-    check.add_argument("--dtype", choices=sorted(TARGETS), help="the output was written with --dtype: convert the shards alike")
-    check.add_argument("--json", metavar="FILE", help="write the report as JSON")
+    check.add_argument("--dtype", choices=_DTYPES, help="the output was written with --dtype: convert the shards alike")
+    check.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to standard output)")
     check.add_argument("-q", "--quiet", action="store_true", help="print only the problems")
     check.set_defaults(func=_cmd_verify)
 
@@ -74,56 +142,43 @@ def build_parser() -> argparse.ArgumentParser:
     look.add_argument("input_dir", help="directory of shard-RRRRR-model-IIIII-of-NNNNN.safetensors files")
     look.add_argument("--ranks", type=_int_at_least(1), metavar="N", help="plan for N ranks (default: this job's size)")
     look.add_argument("--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json")
-    look.add_argument("--split", choices=sorted(SPLITS), default="bytes", help="work split over ranks (default: %(default)s)")
-    look.add_argument("--dtype", choices=sorted(TARGETS), help="plan with floating-point tensors converted")
+    look.add_argument("--split", choices=_SPLITS, default="bytes", help="work split over ranks (default: %(default)s)")
+    look.add_argument("--dtype", choices=_DTYPES, help="plan with floating-point tensors converted")
     look.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", help="plan a Hugging Face re-sharding, e.g. 5GB")
-    look.add_argument("--json", metavar="FILE", help="write the full report as JSON ('-': to stdout, instead of the table)")
+    look.add_argument("--json", metavar="FILE", help="write the full report as JSON ('-': to standard output, instead of the table)")
     look.add_argument("--limit", type=_int_at_least(0), default=50, metavar="N",
                       help="rows per list in the table, 0 for all (default: %(default)s)")
     look.set_defaults(func=_cmd_inspect)
     return parser
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type for integers >= ``minimum``, so bad values are usage errors, not tracebacks."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum} (got {value})")
-        return value
-
-    return parse
-
-
 def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json")
-    cmd.add_argument("--dtype", choices=sorted(TARGETS), help="convert floating-point tensors (round to nearest even)")
+    cmd.add_argument("--dtype", choices=_DTYPES, help="convert floating-point tensors (round to nearest even)")
     cmd.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
                      help="re-shard like Hugging Face, e.g. 5GB (10^9 bytes), instead of following the shard names")
-    cmd.add_argument("--format", dest="output_format", choices=FORMATS, default="safetensors",
+    cmd.add_argument("--format", dest="output_format", choices=_FORMATS, default="safetensors",
                      help="output: Hugging Face safetensors files (default) or one HDF5 file (needs h5py)")
-    cmd.add_argument("--gather-to", type=int, metavar="RANK",
+    cmd.add_argument("--gather-to", type=_int_at_least(0), metavar="RANK",
                      help="write every output on this rank only (its local OUTPUT_DIR); data moves over MPI")
-    cmd.add_argument("--split", choices=sorted(SPLITS), default="bytes", help="work split over ranks (default: %(default)s)")
-    cmd.add_argument("--io", choices=BACKENDS, default="posix", help="output backend (default: %(default)s)")
+    cmd.add_argument("--split", choices=_SPLITS, default="bytes", help="work split over ranks (default: %(default)s)")
+    cmd.add_argument("--io", choices=_BACKENDS, default="posix", help="output backend (default: %(default)s)")
     cmd.add_argument("--hint", type=_hint, action="append", default=[], metavar="KEY=VALUE", help="MPI-IO hint (repeatable)")
     cmd.add_argument("--buffer-size", type=parse_size, default=DEFAULT_BUFFER_SIZE, metavar="SIZE",
                      help="memory per rank for assembling blocks (default: 32M)")
-    cmd.add_argument("--force", action="store_true", help="overwrite existing output files")
+    cmd.add_argument("--force", action="store_true", help="replace an existing checkpoint in OUTPUT_DIR")
+    cmd.add_argument("--break-lock", action="store_true",
+                     help="take over OUTPUT_DIR although another run's lock is there (only when that run is dead)")
     cmd.add_argument("--no-sync", dest="sync", action="store_false",
                      help="do not flush outputs to stable storage (scratch data, benchmarks): faster, not power-loss safe")
     cmd.add_argument("--progress", type=float, default=10.0, metavar="N",
-                     help="progress line every N seconds (a bar on a terminal); 0 turns it off (default: %(default)s)")
-    cmd.add_argument("--stats-json", metavar="FILE", help="write the timing report as JSON")
+                     help="progress line every N seconds on standard error (a bar on a terminal); 0 turns it off (default: %(default)s)")
+    cmd.add_argument("--stats-json", metavar="FILE", help="write the timing report as JSON ('-': to standard output)")
     cmd.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     cmd.add_argument("-v", "--verbose", action="store_true", help="print per-rank detail")
 
 
-def _job_kwargs(args: argparse.Namespace) -> dict[str, object]:
+def _job_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     return dict(
         mapping=args.mapping,
         split=args.split,
@@ -131,6 +186,7 @@ def _job_kwargs(args: argparse.Namespace) -> dict[str, object]:
         buffer_size=args.buffer_size,
         hints=dict(args.hint),
         force=args.force,
+        break_lock=args.break_lock,
         progress=None if args.quiet or args.progress <= 0 else args.progress,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
@@ -141,107 +197,136 @@ def _job_kwargs(args: argparse.Namespace) -> dict[str, object]:
     )
 
 
-def _report(args: argparse.Namespace, comm: Comm, result: ConsolidateResult) -> None:
-    if comm.rank != 0:
+# ---------------------------------------------------------------- report files
+
+
+def check_report_path(path: str | None) -> None:
+    """Refuse, before any work, a report path that cannot be written ('-' is standard output)."""
+    if path is None or path == "-":
         return
-    if not args.quiet:
-        print(result.stats.table())
-        if args.verbose:
-            for rank, count in enumerate(result.bytes_per_rank):
-                print(f"  rank {rank}: writes {count} bytes")
-            if not result.shared_input:
-                print(f"  node-local shards: {result.moved_bytes} bytes moved over MPI")
-            if result.hints:
-                print("  MPI-IO hints in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(result.hints.items())))
-        index = f" and {result.index_file}" if result.index_file else ""
-        print(f"mpicons: wrote {', '.join(result.files) if len(result.files) < 4 else f'{len(result.files)} files'}{index} to {result.output_dir}")
-    if args.stats_json:
-        report = result.stats.to_dict()
-        report["files"] = result.files
-        report["moved_bytes"] = result.moved_bytes
-        report["shared_input"] = result.shared_input
-        with open(args.stats_json, "w", encoding="utf-8") as handle:
-            json.dump(report, handle, indent=2)
-            handle.write("\n")
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise InputError(f"{path}: is a directory, not a file for the report")
+    if not os.path.isdir(parent):
+        raise InputError(f"{path}: cannot write the report there ({parent} is not a directory)")
+    if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise InputError(f"{path}: cannot write the report there (no write permission, or a read-only file system)")
 
 
-def _cmd_consolidate(args: argparse.Namespace, comm: Comm) -> int:
+def write_report(comm: "Comm", path: str | None, make: Callable[[], object], root: int = 0) -> None:
+    """Write a JSON report from ``root`` ('-': standard output); every rank learns whether it worked."""
+    from .parallel import agree_on
+
+    def write() -> None:
+        text = json.dumps(make(), indent=2) + "\n"
+        if path == "-":
+            say(text, end="")
+            return
+        try:
+            with open(path, "w", encoding="utf-8") as handle:  # type: ignore[arg-type]
+                handle.write(text)
+        except OSError as exc:
+            raise WriteError(f"{path}: cannot write the report ({exc.strerror})") from None
+
+    if path is not None:
+        agree_on(comm, root, write)
+
+
+def _check_report_paths(comm: "Comm", *paths: str | None) -> None:
+    from .parallel import agree_on
+
+    def check() -> None:
+        for path in paths:
+            check_report_path(path)
+
+    agree_on(comm, 0, check)
+
+
+# ---------------------------------------------------------------- commands
+
+
+def _print_result(args: argparse.Namespace, comm: "Comm", result: "ConsolidateResult") -> None:
+    if comm.rank != 0 or args.quiet or args.stats_json == "-":
+        return
+    lines = [result.stats.table()]
+    if args.verbose:
+        lines += [f"  rank {rank}: writes {count} bytes" for rank, count in enumerate(result.bytes_per_rank)]
+        if not result.shared_input:
+            lines.append(f"  node-local shards: {result.moved_bytes} bytes moved over MPI")
+        if result.hints:
+            lines.append("  MPI-IO hints in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(result.hints.items())))
+    index = f" and {result.index_file}" if result.index_file else ""
+    files = ", ".join(result.files) if len(result.files) < 4 else f"{len(result.files)} files"
+    lines.append(f"mpicons: wrote {files}{index} to {result.output_dir}")
+    say("\n".join(lines))
+
+
+def _stats_report(result: "ConsolidateResult") -> dict[str, object]:
+    report = result.stats.to_dict()
+    report.update(files=result.files, moved_bytes=result.moved_bytes, shared_input=result.shared_input, notes=result.notes)
+    return report
+
+
+def _cmd_consolidate(args: argparse.Namespace, comm: "Comm") -> int:
+    from .consolidation import consolidate
+
+    _check_report_paths(comm, args.stats_json)
     result = consolidate(args.input_dir, args.output_dir, comm=comm, **_job_kwargs(args))
-    _report(args, comm, result)
+    _print_result(args, comm, result)
+    write_report(comm, args.stats_json, lambda: _stats_report(result))
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
+def _cmd_demo(args: argparse.Namespace, comm: "Comm") -> int:
+    from .consolidation import consolidate
     from .sample import SampleConfig, write_sample
     from .verify import check_sample
 
+    _check_report_paths(comm, args.stats_json)
     config = SampleConfig.sized(args.size) if args.size else SampleConfig()
     sharded = os.path.join(args.directory, "sharded")
     output = os.path.join(args.directory, "consolidated")
     if comm.rank == 0 and not args.quiet:
-        print(f"mpicons demo: writing a sample checkpoint ({config.layers} layers, hidden {config.hidden}, "
-              f"{config.dp}x{config.tp} training mesh) to {sharded}")
+        say(f"mpicons demo: writing a sample checkpoint ({config.layers} layers, hidden {config.hidden}, "
+            f"{config.dp}x{config.tp} training mesh) to {sharded}")
     write_sample(sharded, config, comm)
     kwargs = _job_kwargs(args)
     kwargs["force"] = True
     result = consolidate(sharded, output, comm=comm, **kwargs)
-    _report(args, comm, result)
+    _print_result(args, comm, result)
+    write_report(comm, args.stats_json, lambda: _stats_report(result))
     checked = check_sample(output, config, comm)
     if comm.rank == 0 and not args.quiet:
-        print(f"mpicons demo: {checked} tensors in {output} match the sample's full tensors bit for bit")
+        say(f"mpicons demo: {checked} tensors in {output} match the sample's full tensors bit for bit")
     return 0
 
 
-def _cmd_verify(args: argparse.Namespace, comm: Comm) -> int:
+def _cmd_verify(args: argparse.Namespace, comm: "Comm") -> int:
     """Exit 0 when the checkpoint is sound, 1 when it is not (bad arguments raise InputError: exit 2)."""
     from .verify import verify
 
+    _check_report_paths(comm, args.json)
     report = verify(args.output_dir, against=args.against, comm=comm, buffer_size=args.buffer_size, dtype=args.dtype)
-    if comm.rank == 0:
-        for line in report.lines():
-            print(line)
-        if not args.quiet:
-            print(report.summary())
-        sys.stdout.flush()
-        if args.json:
-            try:
-                with open(args.json, "w", encoding="utf-8") as handle:
-                    json.dump(report.to_dict(), handle, indent=2)
-                    handle.write("\n")
-            except OSError as exc:
-                print(f"mpicons: error: {args.json}: cannot write the report ({exc.strerror})", file=sys.stderr, flush=True)
-                return 1
+    if comm.rank == 0 and args.json != "-":
+        lines = report.lines() + ([] if args.quiet else [report.summary()])
+        if lines:
+            say("\n".join(lines))
+    write_report(comm, args.json, report.to_dict)
     return 0 if report.ok else 1
 
 
-def _cmd_inspect(args: argparse.Namespace, comm: Comm) -> int:
+def _cmd_inspect(args: argparse.Namespace, comm: "Comm") -> int:
     """Exit 0 when the checkpoint can be consolidated, 2 when it has problems (the report is printed either way)."""
-    from .errors import WriteError
     from .inspect import inspect
-    from .parallel import agree
 
+    _check_report_paths(comm, args.json)
     report = inspect(
         args.input_dir, comm=comm, ranks=args.ranks, mapping=args.mapping, split=args.split,
         dtype=args.dtype, max_shard_size=args.max_shard_size,
     )
-    if comm.rank == 0:
-        if args.json == "-":
-            json.dump(report.to_dict(), sys.stdout, indent=2)
-            sys.stdout.write("\n")
-        else:
-            print(report.table(limit=args.limit))
-        sys.stdout.flush()
-
-    def write_json() -> None:
-        try:
-            with open(args.json, "w", encoding="utf-8") as handle:
-                json.dump(report.to_dict(), handle, indent=2)
-                handle.write("\n")
-        except OSError as exc:
-            raise WriteError(f"{args.json}: cannot write the report ({exc.strerror})") from None
-
-    # Every rank learns whether rank 0 could write the file, so all exit with the same code.
-    agree(comm, lambda: write_json() if comm.rank == 0 and args.json not in (None, "-") else None, root=0)
+    if comm.rank == 0 and args.json != "-":
+        say(report.table(limit=args.limit))
+    write_report(comm, args.json, report.to_dict)
     return 0 if report.ok else 2
 
 
@@ -262,32 +347,66 @@ def check_launcher(world_size: int, environ: dict[str, str] | None = None) -> No
         )
 
 
-def main(argv: Sequence[str] | None = None, comm: Comm | None = None) -> int:
+def _show_notes(quiet: bool, rank: int) -> None:
+    """Library notes (e.g. an interrupted run recovered in the output directory) on rank 0's standard error."""
+    logger = logging.getLogger("mpicons")
+    if quiet or rank != 0 or logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("mpicons: note: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
+def main(argv: Sequence[str] | None = None, comm: "Comm | None" = None) -> int:
     """Run the command line on ``comm`` (default COMM_WORLD); returns the exit code.
 
     Errors every rank agreed on are printed once, by rank 0, and give exit 2 (bad input) or 1.
     Anything else is a bug: it is printed with its rank and the job is aborted so no rank hangs.
     """
-    args = build_parser().parse_args(argv)
-    comm = MPI.COMM_WORLD if comm is None else comm
-    install_signal_handlers()
     try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # usage error, --help or --version: already printed once, before MPI starts
+        return exc.code if isinstance(exc.code, int) else 2
+    if comm is None:
+        from mpi4py import MPI  # MPI starts here, after the signal handlers are in place
+
+        comm = MPI.COMM_WORLD
+    _show_notes(bool(getattr(args, "quiet", False)), comm.rank)
+    try:
+        from mpi4py import MPI
+
         check_launcher(MPI.COMM_WORLD.size)
-        return args.func(args, comm)
+        return int(args.func(args, comm))
     except MpiconsError as exc:
         if comm.rank == 0:
-            print(f"mpicons: error: {exc}", file=sys.stderr, flush=True)
+            say(f"mpicons: error: {exc}", sys.stderr)
         return exc.exit_code
     except Exception:  # noqa: BLE001 - last resort: never leave other ranks waiting
-        print(f"mpicons: internal error on rank {comm.rank}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        say(f"mpicons: internal error on rank {comm.rank}:\n{traceback.format_exc()}", sys.stderr)
         if comm.size > 1:
             comm.Abort(1)
         return 1
 
 
+def _abort_job(exc: BaseException) -> int:
+    """An exception escaped everything: end the whole job now rather than leave ranks waiting."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    rank = launcher_rank()
+    say(f"mpicons: internal error on rank {rank}: {type(exc).__name__}: {exc}", sys.stderr)
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.size > 1:  # type: ignore[attr-defined]
+        mpi.COMM_WORLD.Abort(1)  # type: ignore[attr-defined]
+    return 1
+
+
 def run() -> None:
-    """Console-script entry point."""
-    sys.exit(main())
+    """Console-script entry point: handlers first, MPI later; nothing escapes without ending the job."""
+    install_handlers()
+    try:
+        code = main()
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt, SystemExit and bugs alike
+        code = _abort_job(exc)
+    sys.exit(code)
 
 
-__all__ = ["main", "run", "parse_size", "InputError"]
+__all__ = ["main", "run", "parse_size", "launcher_rank", "check_report_path", "write_report", "InputError"]

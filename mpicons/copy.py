@@ -105,7 +105,7 @@ class Executor:
         io_threads: int = 0,
     ) -> None:
         converting = any(t.source_dtype != t.dtype for t in plan.tensors)
-        threads = io_threads if isinstance(output, PosixOutput) else 0
+        threads = io_threads if output.name == "posix" else 0
         slots = 2 if threads else 1
         share = max(MIN_BUFFER, buffer_size // (1 + slots * (2 if converting else 1)))
         self.plan = plan
@@ -122,6 +122,7 @@ class Executor:
         self.background = _Background(threads)
         self._bounce = threading.local()
         sources.before_close = self.background.drain
+        output.before_close = self.background.drain
 
     def run(self, items: list[WorkItem]) -> int:
         """Write ``items``; returns the number of output bytes written."""

@@ -20,7 +20,8 @@ from .convert import convert, numpy_dtype
 from .copy import Executor, _Pieces, _Target
 from .errors import Interrupted
 from .io import MpiioOutput, PosixOutput, SourceFiles
-from .parallel import Comm, pending_signal
+from .interrupts import pending_signal
+from .parallel import Comm
 from .plan import Plan
 from .routing import Routes
 

@@ -34,6 +34,37 @@ def dataset_path(name: str) -> str:
     return "/" + name.replace(".", "/")
 
 
+def check_names(plan: Plan) -> None:
+    """Every tensor name must make a distinct HDF5 dataset path that no other dataset needs as a group.
+
+    Checked before anything is written (pure): NUL characters, empty path components
+    (``a..b``), ``.``/``..`` components, names that are not valid UTF-8, and clashes such as
+    ``a.b`` beside ``a/b`` (same path) or ``a`` beside ``a.b`` (``/a`` would be a group and a dataset).
+    """
+    by_path: dict[str, str] = {}
+    for tensor in plan.tensors:
+        name = tensor.name
+        path = dataset_path(name)
+        parts = path[1:].split("/")
+        if "\0" in name or any(p in ("", ".", "..") for p in parts):
+            raise InputError(f"tensor {name!r}: cannot be an HDF5 dataset (its path {path!r} has an empty, '.', '..' or NUL part)")
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError(f"tensor {name!r}: cannot be an HDF5 dataset (the name is not valid UTF-8)") from None
+        if path in by_path:
+            raise InputError(f"tensors {by_path[path]!r} and {name!r} would both be the HDF5 dataset {path}")
+        by_path[path] = name
+    for path, name in by_path.items():
+        parts = path.split("/")
+        for depth in range(2, len(parts)):
+            group = "/".join(parts[:depth])
+            if group in by_path:
+                raise InputError(
+                    f"tensors {by_path[group]!r} and {name!r} clash in HDF5: {group} would be both a dataset and a group"
+                )
+
+
 def create_layout(path: str, plan: Plan) -> list[int]:
     """Create the HDF5 file at ``path`` and return each tensor's data offset in it (rank 0 only)."""
     try:
@@ -42,7 +73,7 @@ def create_layout(path: str, plan: Plan) -> list[int]:
         raise InputError("--format hdf5 needs h5py: pip install 'mpicons[hdf5]'") from None
     offsets = [0] * len(plan.tensors)
     try:
-        with h5py.File(path, "w", libver="latest") as handle:
+        with h5py.File(path, "x", libver="latest") as handle:
             for index, tensor in enumerate(plan.tensors):
                 shape = tensor.storage[: len(tensor.shape)] if DTYPE_BY_NAME[tensor.dtype].bits % 8 else tensor.shape
                 create = h5py.h5p.create(h5py.h5p.DATASET_CREATE)

@@ -20,6 +20,9 @@ from .parallel import Comm
 
 #: Largest single read, write or copy_file_range call.
 MAX_TRANSFER = 1 << 30
+#: Output files a rank keeps open at once (per backend), so thousands of outputs never exhaust descriptors.
+MAX_OPEN_OUTPUTS = 128
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
 
 
@@ -99,16 +102,20 @@ class PosixOutput(_Output):
     def __init__(self, *args: object, owner: int = 0, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.owner = owner
-        self._fds: dict[int, int] = {}
+        self._fds: OrderedDict[int, int] = OrderedDict()
         self._copy_range = hasattr(os, "copy_file_range")
+        #: Open output handles are bounded whatever the number of output files.
+        self.max_open = MAX_OPEN_OUTPUTS
+        #: Called before a handle is closed to make room, so background I/O never loses its file.
+        self.before_close: Callable[[], None] = lambda: None
 
     def create(self) -> None:
-        """The owner writes each header and sizes each file to its final length (others do nothing)."""
+        """The owner creates each file exclusively, writes its header and sizes it (others do nothing)."""
         if self.comm.rank != self.owner or self.preallocated:
             return
         for path, header, size in zip(self.paths, self.headers, self.sizes):
             try:
-                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o644)
             except OSError as exc:
                 raise WriteError(f"{path}: cannot create output ({exc.strerror})") from None
             try:
@@ -121,18 +128,37 @@ class PosixOutput(_Output):
             finally:
                 os.close(fd)
 
+    def hints_in_effect(self) -> dict[str, str]:
+        return {}
+
     def open(self, file: int) -> None:
         """Open output ``file`` now (from the main thread, before background writes use it)."""
         self._fd(file)
 
     def _fd(self, file: int) -> int:
         fd = self._fds.get(file)
-        if fd is None:
-            try:
-                fd = self._fds[file] = os.open(self.paths[file], os.O_WRONLY)
-            except OSError as exc:
-                raise WriteError(f"{self.paths[file]}: cannot open output ({exc.strerror})") from None
+        if fd is not None:
+            self._fds.move_to_end(file)
+            return fd
+        try:
+            fd = os.open(self.paths[file], os.O_WRONLY | _NOFOLLOW)
+        except OSError as exc:
+            raise WriteError(f"{self.paths[file]}: cannot open output ({exc.strerror})") from None
+        self._fds[file] = fd
+        if len(self._fds) > self.max_open:
+            self.before_close()
+            self._retire(*self._fds.popitem(last=False))
         return fd
+
+    def _retire(self, file: int, fd: int) -> None:
+        """Close a handle; what was written through it is flushed first when outputs must be durable."""
+        try:
+            if self.durable:
+                os.fsync(fd)
+        except OSError as exc:
+            raise WriteError(f"{self.paths[file]}: fsync failed ({exc.strerror})") from None
+        finally:
+            os.close(fd)
 
     def write(self, file: int, offset: int, data: memoryview) -> None:
         _pwrite_all(self._fd(file), data, offset, self.paths[file])
@@ -172,6 +198,7 @@ class PosixOutput(_Output):
         _bounce_copy(self, sources, src, src_offset, file, offset, length, bounce)
 
     def sync(self) -> None:
+        """Flush what this rank wrote (handles closed earlier were flushed when they were closed)."""
         if not self.durable:
             return
         for file, fd in self._fds.items():
@@ -186,68 +213,132 @@ class PosixOutput(_Output):
 
 
 class MpiioOutput(_Output):
-    """Outputs opened with ``MPI.File`` on the communicator; collective create, independent writes."""
+    """Outputs created collectively with ``MPI.File`` on the communicator (hints such as striping apply
+    there), then written with independent ``Write_at`` through per-rank handles opened when needed
+    (at most ``MAX_OPEN_OUTPUTS`` at once)."""
 
     name = "mpiio"
 
     def __init__(self, *args: object, hints: Mapping[str, str] | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.hints = dict(hints or {})
-        self._files: list[MPI.File] = []
+        self._files: OrderedDict[int, MPI.File] = OrderedDict()
+        self._in_effect: dict[str, str] = {}
+        self.before_close: Callable[[], None] = lambda: None
 
-    def create(self) -> None:
-        """Collectively create every output (hints such as striping apply here), header by rank 0."""
+    def _info(self) -> MPI.Info:
         info = MPI.Info.Create()
         for key, value in self.hints.items():
             info.Set(key, value)
+        return info
+
+    def create(self) -> None:
+        """Collectively create every output exclusively, size it and write its header (rank 0), one at a time."""
+        info = self._info()
         try:
             for path, header, size in zip(self.paths, self.headers, self.sizes):
                 try:
-                    mode = MPI.MODE_WRONLY | (0 if self.preallocated else MPI.MODE_CREATE)
+                    mode = MPI.MODE_WRONLY | (0 if self.preallocated else MPI.MODE_CREATE | MPI.MODE_EXCL)
                     handle = MPI.File.Open(self.comm, path, mode, info)
-                    self._files.append(handle)
+                except MPI.Exception as exc:
+                    raise WriteError(f"{path}: cannot create output with MPI-IO ({mpi_error_text(exc)})") from None
+                try:
+                    if not self._in_effect:
+                        self._in_effect = _info_items(handle)
                     if not self.preallocated:
                         handle.Set_size(size)
                         if self.comm.rank == 0:
                             handle.Write_at(0, header)
                 except MPI.Exception as exc:
-                    raise WriteError(f"{path}: cannot create output with MPI-IO ({exc.Get_error_string()})") from None
+                    raise WriteError(f"{path}: cannot size output with MPI-IO ({mpi_error_text(exc)})") from None
+                finally:
+                    handle.Close()
         finally:
             info.Free()
 
     def hints_in_effect(self) -> dict[str, str]:
-        """The hints the MPI library reports for the first output (unknown hints are dropped silently)."""
-        if not self._files:
-            return {}
-        info = self._files[0].Get_info()
+        """The hints the MPI library reported for the first output (unknown hints are dropped silently)."""
+        return dict(self._in_effect)
+
+    def _handle(self, file: int) -> MPI.File:
+        handle = self._files.get(file)
+        if handle is not None:
+            self._files.move_to_end(file)
+            return handle
+        info = self._info()
         try:
-            return {info.Get_nthkey(i): info.Get(info.Get_nthkey(i)) or "" for i in range(info.Get_nkeys())}
+            handle = MPI.File.Open(MPI.COMM_SELF, self.paths[file], MPI.MODE_WRONLY, info)
+        except MPI.Exception as exc:
+            raise WriteError(f"{self.paths[file]}: cannot open output with MPI-IO ({mpi_error_text(exc)})") from None
         finally:
             info.Free()
+        self._files[file] = handle
+        if len(self._files) > MAX_OPEN_OUTPUTS:
+            self.before_close()
+            old, retired = self._files.popitem(last=False)
+            self._sync_one(old, retired)
+            retired.Close()
+        return handle
+
+    def open(self, file: int) -> None:
+        self._handle(file)
 
     def write(self, file: int, offset: int, data: memoryview) -> None:
-        handle = self._files[file]
+        handle = self._handle(file)
         for start in range(0, len(data), MAX_TRANSFER):
             try:
                 handle.Write_at(offset + start, data[start : start + MAX_TRANSFER])
             except MPI.Exception as exc:
-                raise WriteError(f"{self.paths[file]}: MPI write failed ({exc.Get_error_string()})") from None
+                raise WriteError(f"{self.paths[file]}: write failed at byte {offset + start} ({mpi_error_text(exc)})") from None
 
     def copy(self, sources: SourceFiles, src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray) -> None:
         _bounce_copy(self, sources, src, src_offset, file, offset, length, bounce)
 
-    def sync(self) -> None:
+    def _sync_one(self, file: int, handle: MPI.File) -> None:
         if not self.durable:
             return
-        for path, handle in zip(self.paths, self._files):
-            try:
-                handle.Sync()
-            except MPI.Exception as exc:
-                raise WriteError(f"{path}: MPI sync failed ({exc.Get_error_string()})") from None
+        try:
+            handle.Sync()
+        except MPI.Exception as exc:
+            raise WriteError(f"{self.paths[file]}: sync failed ({mpi_error_text(exc)})") from None
+
+    def sync(self) -> None:
+        for file, handle in self._files.items():
+            self._sync_one(file, handle)
 
     def close(self) -> None:
         while self._files:
-            self._files.pop().Close()
+            self._files.popitem()[1].Close()
+
+
+def _info_items(handle: MPI.File) -> dict[str, str]:
+    info = handle.Get_info()
+    try:
+        return {info.Get_nthkey(i): info.Get(info.Get_nthkey(i)) or "" for i in range(info.Get_nkeys())}
+    finally:
+        info.Free()
+
+
+#: MPI error classes with a plain cause; others are reduced to the innermost line of the MPI error stack.
+_MPI_CAUSES = {
+    "ERR_NO_SPACE": "No space left on device",
+    "ERR_QUOTA": "Disk quota exceeded",
+    "ERR_READ_ONLY": "Read-only file system",
+    "ERR_ACCESS": "Permission denied",
+    "ERR_FILE_EXISTS": "File exists",
+    "ERR_NO_SUCH_FILE": "No such file or directory",
+    "ERR_FILE_IN_USE": "File in use",
+}
+
+
+def mpi_error_text(exc: MPI.Exception) -> str:
+    """One line for an MPI error: the cause, not MPICH's multi-line error stack."""
+    error_class = exc.Get_error_class()
+    for name, text in _MPI_CAUSES.items():
+        if error_class == getattr(MPI, name, None):
+            return text
+    lines = [line.strip(" ,") for line in exc.Get_error_string().splitlines() if line.strip()]
+    return lines[-1] if lines else f"MPI error class {error_class}"
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int, path: str) -> None:

@@ -8,15 +8,14 @@ first failure, naming the rank it happened on.
 
 from __future__ import annotations
 
-import signal
 import time
 import traceback
-from contextlib import contextmanager
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, TypeVar
 
 from mpi4py import MPI
 
-from .errors import InputError, Interrupted, MpiconsError, WriteError
+from .errors import InputError, MpiconsError, WriteError
+from .interrupts import deferred, raise_pending, raising_inside
 
 Comm = MPI.Intracomm
 T = TypeVar("T")
@@ -24,64 +23,12 @@ T = TypeVar("T")
 _KINDS: dict[str, type[MpiconsError]] = {"input": InputError, "write": WriteError, "error": MpiconsError}
 
 
-class _Signals:
-    """Signals caught by :func:`install_signal_handlers`: raised inside a phase, else kept for the next one.
-
-    Raising only inside :func:`agree`'s protected call means a signal can never surface between
-    collectives, where it would leave the other ranks waiting.
-    """
-
-    pending: int | None = None
-    inside_phase: bool = False
-
-
-def _on_signal(signum: int, frame: object) -> None:
-    _Signals.pending = signum
-    if _Signals.inside_phase:
-        _Signals.inside_phase = False
-        raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
-
-
-def _raise_pending() -> None:
-    if _Signals.pending is not None:
-        raise Interrupted(f"interrupted by {signal.Signals(_Signals.pending).name}")
-
-
-def pending_signal() -> signal.Signals | None:
-    """A signal caught but not yet raised (code that must not be interrupted polls this)."""
-    return signal.Signals(_Signals.pending) if _Signals.pending is not None else None
-
-
-@contextmanager
-def signals_deferred() -> Iterator[None]:
-    """Inside, caught signals are only recorded: for code whose MPI message pattern must complete."""
-    previous = _Signals.inside_phase
-    _Signals.inside_phase = False
-    try:
-        yield
-    finally:
-        _Signals.inside_phase = previous
-
-
-def install_signal_handlers(signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)) -> None:
-    """Turn termination signals into an agreed, clean failure (partial outputs removed).
-
-    Also ignores SIGXFSZ so that exceeding a file-size limit is an EFBIG error, not a silent kill.
-    """
-    for signum in signals:
-        signal.signal(signum, _on_signal)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-
-
 def _outcome(fn: Callable[[], T]) -> tuple[tuple[str, str] | None, T | None]:
     try:
-        try:
-            _Signals.inside_phase = True
-            _raise_pending()
+        with raising_inside():
+            raise_pending()
             value = fn()
-        finally:
-            _Signals.inside_phase = False
-        _raise_pending()
+        raise_pending()
         return None, value
     except InputError as exc:
         return ("input", str(exc)), None
@@ -90,6 +37,8 @@ def _outcome(fn: Callable[[], T]) -> tuple[tuple[str, str] | None, T | None]:
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         return ("write", f"{where}{exc.strerror or exc}"), None
+    except MemoryError:
+        return ("write", "out of memory (try a smaller --buffer-size, or fewer ranks per node)"), None
     except Exception as exc:  # noqa: BLE001 - reported on every rank, with its traceback
         return ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None
 
@@ -122,6 +71,11 @@ def agree(comm: Comm, fn: Callable[[], T], *, gather: bool = False, root: int | 
     return value
 
 
+def agree_on(comm: Comm, rank: int, fn: Callable[[], T]) -> T:
+    """Run ``fn`` on ``rank`` only and broadcast its outcome: its value, or its error on every rank."""
+    return agree(comm, lambda: fn() if comm.rank == rank else None, root=rank)  # type: ignore[no-any-return]
+
+
 def wait_for_all(comm: Comm, poll: float = 0.002) -> None:
     """A barrier that sleeps instead of spinning: ranks that finish early leave the CPU to the others.
 
@@ -130,7 +84,7 @@ def wait_for_all(comm: Comm, poll: float = 0.002) -> None:
     Every rank must call this, failing or not, before the next collective.
     """
     request = comm.Ibarrier()
-    with signals_deferred():
+    with deferred():
         while not request.Test():
             time.sleep(poll)
 

@@ -95,6 +95,8 @@ class Plan:
     piece_shape: np.ndarray  # storage units
     piece_offset: np.ndarray  # storage units
     work: list[list[WorkItem]] = field(default_factory=list)
+    #: Pieces saved more than once (replicas kept once above); their bytes are compared before writing.
+    replicas: "Replicas | None" = None
 
     @property
     def total_bytes(self) -> int:
@@ -113,6 +115,60 @@ class Plan:
     def index(self) -> dict[str, object]:
         """The ``model.safetensors.index.json`` content, as Hugging Face writes it."""
         return {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map().items()))}
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """Every copy of every piece stored more than once (same tensor, offsets and shape), one row each.
+
+    Rows with the same ``group`` must hold the same bytes; the plan keeps one copy of each group,
+    so a divergent replica would otherwise go unnoticed.
+    """
+
+    group: np.ndarray  # int64[R]
+    file: np.ndarray  # int32[R]
+    begin: np.ndarray  # int64[R], absolute byte offset in the file
+    nbytes: np.ndarray  # int64[R]
+    tensor: np.ndarray  # int32[R]
+    ndim: np.ndarray  # int8[R]
+    offset: np.ndarray  # int64[R, D], elements
+    shape: np.ndarray  # int64[R, D], elements
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+
+def _replicas(
+    first_copy: np.ndarray,
+    tensor: np.ndarray,
+    dtypes: np.ndarray,
+    ndim: np.ndarray,
+    shape: np.ndarray,
+    offset: np.ndarray,
+    files: np.ndarray,
+    begin: np.ndarray,
+) -> Replicas | None:
+    """The non-empty pieces that have an identical twin, grouped by the copy the plan keeps."""
+    twins = np.flatnonzero(first_copy != np.arange(len(first_copy)))
+    if not len(twins):
+        return None
+    rows = np.unique(np.concatenate([twins, first_copy[twins]]))
+    bits = np.array([d.bits for d in DTYPES], dtype=np.int64)[dtypes[rows]]
+    nbytes = np.prod(shape[rows], axis=1) * bits // 8
+    rows, nbytes = rows[nbytes > 0], nbytes[nbytes > 0]
+    if not len(rows):
+        return None
+    return Replicas(
+        group=first_copy[rows].astype(np.int64),
+        file=files[rows],
+        begin=begin[rows],
+        nbytes=nbytes,
+        tensor=tensor[rows],
+        ndim=ndim[rows],
+        offset=offset[rows],
+        shape=shape[rows],
+    )
 
 
 # ---------------------------------------------------------------- mapping
@@ -209,10 +265,12 @@ def build_plan(
         suspect = np.add.reduceat(volume, first) > np.prod(full, axis=1)
     rows = np.flatnonzero(suspect[tensor])
     first_copy = np.arange(len(tensor))
+    replicas = None
     if len(rows):
         keys = np.concatenate([tensor[rows, None].astype(np.int64), offset[rows], shape[rows]], axis=1)
         first_copy[rows] = rows[_first_identical_row(keys)]
         _check_copied_files(table, tensor, ndim, shape, offset, files, first_copy)
+        replicas = _replicas(first_copy, tensor, dtypes, ndim, shape, offset, files, begin)
         keep = np.flatnonzero(first_copy == np.arange(len(first_copy)))
         tensor, dtypes, ndim, shape, offset, files, begin = (
             a[keep] for a in (tensor, dtypes, ndim, shape, offset, files, begin)
@@ -263,6 +321,7 @@ def build_plan(
         piece_begin=begin,
         piece_shape=shape,
         piece_offset=offset,
+        replicas=replicas,
     )
     try:
         policy = SPLITS[split]

@@ -2,13 +2,18 @@
 
 Ranks other than 0 send their byte count to rank 0 with non-blocking point-to-point messages at
 most every ``tick`` seconds (never more than one in flight); rank 0 picks them up whenever it
-finishes a block of its own writing, and prints a bar on a terminal or one line every
-``interval`` seconds otherwise (a Slurm job log). No collective is involved, so a slow rank never
-holds up a fast one.
+finishes a block of its own writing, and prints to standard error: a bar redrawn in place when
+a person is watching a terminal, else one line every ``interval`` seconds (a Slurm job log).
+
+Under ``mpiexec`` no rank has a terminal (the launcher reads their output through pipes and
+forwards it), so "a terminal" means: rank 0's standard error is one, or the launcher that started
+it on this node writes to one (found through ``/proc``). ``MPICONS_PROGRESS=bar`` or ``lines``
+overrides the guess.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import TextIO
@@ -20,6 +25,57 @@ from .parallel import Comm
 from .stats import human_bytes
 
 TAG = 17
+
+
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def watched_terminal_columns(stream: TextIO) -> int | None:
+    """Columns of the terminal a person watches this run on, or None when output goes to a file or pipe.
+
+    Checked in order: ``MPICONS_PROGRESS`` (``bar``/``lines``), ``stream`` itself, then the standard
+    error and output of up to four ancestor processes on this node (``mpiexec`` and its proxy).
+    """
+    choice = os.environ.get("MPICONS_PROGRESS", "").lower()
+    if choice == "lines":
+        return None
+    fallback = int(os.environ.get("COLUMNS", "80") or 80)
+    try:
+        interactive = stream.isatty()
+    except (ValueError, AttributeError):
+        interactive = False
+    if interactive:
+        try:
+            return os.get_terminal_size(stream.fileno()).columns
+        except (OSError, ValueError):
+            return fallback
+    pid = os.getppid()
+    for _ in range(4):
+        if pid <= 1:
+            break
+        for fd in (2, 1):
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(("/dev/pts/", "/dev/tty")):
+                try:
+                    handle = os.open(target, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+                except OSError:
+                    return fallback
+                try:
+                    return os.get_terminal_size(handle).columns
+                except OSError:
+                    return fallback
+                finally:
+                    os.close(handle)
+        pid = _parent(pid)
+    return fallback if choice == "bar" else None
 
 
 def _duration(seconds: float) -> str:
@@ -41,9 +97,11 @@ class Progress:
         self.comm = comm
         self.total = total
         self.interval = interval
-        self.stream = stream or sys.stdout
+        self.stream = stream or sys.stderr
         self.verbose = verbose
-        self.bar = comm.rank == 0 and self.stream.isatty()
+        self.columns = watched_terminal_columns(self.stream) if comm.rank == 0 else None
+        self.bar = self.columns is not None
+        self._drawn = 0  # characters of the last bar frame, to blank what a shorter one leaves
         self.tick = 0.25 if self.bar else min(1.0, interval / 4)
         self.done = 0
         self.start = time.monotonic()
@@ -110,20 +168,36 @@ class Progress:
         done = int(self.counts.sum())
         elapsed = now - self.start
         rate = done / elapsed if elapsed > 0 else 0.0
-        fraction = done / self.total if self.total else 1.0
+        fraction = min(1.0, done / self.total) if self.total else 1.0
         eta = (self.total - done) / rate if rate > 0 else float("inf")
-        eta_text = _duration(eta) if eta != float("inf") else "?"
-        text = (
-            f"{human_bytes(done)} of {human_bytes(self.total)} ({100 * fraction:.0f}%), {human_bytes(rate)}/s, "
-            f"ETA {eta_text}, {int((~self.finished).sum())}/{self.comm.size} ranks writing"
-        )
-        if self.verbose and not final:
-            slowest = int(np.argmin(self.counts))
-            text += f", slowest rank {slowest} at {human_bytes(self.counts[slowest])}"
-        if self.bar:
-            width = 30
-            filled = int(width * fraction)
-            self.stream.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {text}" + ("\n" if final else ""))
-        elif not final:
-            self.stream.write(f"mpicons: progress {text}\n")
-        self.stream.flush()
+        amount = f"{human_bytes(done)} of {human_bytes(self.total)} ({100 * fraction:.0f}%)"
+        speed = f"{human_bytes(rate)}/s"
+        if final:
+            parts = [amount, speed, f"{_duration(elapsed)} elapsed"]
+        else:
+            parts = [amount, speed, f"ETA {_duration(eta) if eta != float('inf') else '?'}",
+                     f"{int((~self.finished).sum())}/{self.comm.size} ranks writing"]
+            if self.verbose:
+                slowest = int(np.argmin(self.counts))
+                parts.append(f"slowest rank {slowest} at {human_bytes(self.counts[slowest])}")
+        try:
+            if self.bar:
+                self._draw(fraction, parts, final)
+            elif not final:
+                self.stream.write(f"mpicons: progress {', '.join(parts)}\n")
+            self.stream.flush()
+        except BrokenPipeError:
+            self.bar, self.interval = False, float("inf")  # nobody reads: stop reporting
+
+    def _draw(self, fraction: float, parts: list[str], final: bool) -> None:
+        """One frame within the terminal's width (never wrapped), overwriting the previous one."""
+        width = max(20, (self.columns or 80) - 1)
+        while len(parts) > 1 and len(", ".join(parts)) + 12 > width:
+            parts = parts[:-1]
+        text = ", ".join(parts)[: width - 12]
+        cells = max(10, min(30, width - len(text) - 3))
+        filled = int(cells * fraction)
+        frame = f"[{'#' * filled}{'.' * (cells - filled)}] {text}"[:width]
+        padding = " " * max(0, self._drawn - len(frame))
+        self._drawn = len(frame)
+        self.stream.write("\r" + frame + padding + ("\n" if final else ""))

@@ -17,15 +17,16 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from .consolidation import DEFAULT_BUFFER_SIZE, PARTIAL_SUFFIX
+from .consolidation import DEFAULT_BUFFER_SIZE
 from .errors import InputError, MpiconsError
 from .format import DTYPE_BY_NAME, Header, read_header
 from .io import SourceFiles
+from .outdir import LOCK_NAME, STAGING_PREFIX, Holder
 from .parallel import Comm, agree
-from .convert import convert, numpy_dtype
+from .convert import TARGETS, convert, numpy_dtype
 from .plan import INDEX_NAME, OUTPUT_METADATA, Plan, WorkItem, build_plan
 from .stats import count_of as _count, human_bytes
-from .scan import scan
+from .scan import DCP_SHARD_NAME, scan
 
 #: Smallest comparison buffer half: must hold one storage unit (≤ 8 bytes); tiny values are for tests.
 MIN_HALF_BUFFER = 64
@@ -152,12 +153,13 @@ class _Listing:
     """What rank 0 found in the directory and the index, shared with every rank."""
 
     found: list[str]  # regular, non-hidden *.safetensors files
-    partials: list[str]
+    leftovers: list[str]  # staging directories of interrupted consolidations
     weight_map: dict[str, str] | None
     total_size: int | None
     listed_existing: list[str]  # files named by the weight map that exist (any extension)
     listed_missing: list[str]
     problems: list[Problem]
+    sharded: bool = False  # the directory is a sharded checkpoint, not a consolidated one
 
 
 @dataclass
@@ -192,9 +194,25 @@ def _list_output(output_dir: str) -> _Listing:
     except OSError as exc:
         raise InputError(f"{output_dir}: cannot list output directory ({exc.strerror})") from None
     found = sorted(n for n, is_file in entries if is_file and n.endswith(".safetensors") and not n.startswith("."))
-    partials = sorted(n for n, _ in entries if n.startswith(".") and n.endswith(PARTIAL_SUFFIX))
+    leftovers = sorted(n for n, _ in entries if n.startswith(STAGING_PREFIX))
     index_path = os.path.join(output_dir, INDEX_NAME)
     problems: list[Problem] = []
+    shards = [n for n in found if DCP_SHARD_NAME.match(n)]
+    if shards and not os.path.lexists(index_path):
+        what = (
+            f"holds {_count(len(shards), 'DCP shard file')} (shard-*-model-*.safetensors), not a consolidated "
+            f"checkpoint; to check a consolidation of it: mpicons verify OUTPUT_DIR --against {output_dir}"
+        )
+        return _Listing([], [], None, None, [], [], [Problem(output_dir, None, what)], sharded=True)
+    lock = os.path.join(output_dir, LOCK_NAME)
+    if os.path.lexists(lock):
+        try:
+            with open(lock, "rb") as handle:
+                holder = Holder.parse(handle.read(1 << 16))
+        except OSError:
+            holder = None
+        who = holder.describe() if holder else "an unknown run"
+        problems.append(Problem(lock, None, f"a consolidation holds this directory ({who}): its content may be changing"))
     weight_map: dict[str, str] | None = None
     total_size: int | None = None
     obj: object = None
@@ -225,7 +243,7 @@ def _list_output(output_dir: str) -> _Listing:
     listed = sorted(set(weight_map.values())) if weight_map else []
     existing = [n for n in listed if os.path.isfile(os.path.join(output_dir, n))]
     missing = [n for n in listed if n not in set(existing)]
-    return _Listing(found, partials, weight_map, total_size, existing, missing, problems)
+    return _Listing(found, leftovers, weight_map, total_size, existing, missing, problems)
 
 
 #: ``tensor 'name': what`` as format's errors word it (the name is a Python repr).
@@ -283,7 +301,10 @@ def _cross_check(output_dir: str, listing: _Listing, results: list[_FileResult])
                 problems.append(Problem(join(result.name), tensor, f"also in {located[tensor].file}; a tensor must be in one file"))
                 continue
             located[tensor] = _Located(result.name, dtype, shape, result.data_start + begin, end - begin)
-    problems += [Problem(join(n), None, "leftover partial file of an interrupted consolidation") for n in listing.partials]
+    problems += [
+        Problem(join(n), None, "left by an interrupted consolidation; the next 'mpicons consolidate' into this directory finishes or undoes it")
+        for n in listing.leftovers
+    ]
     weight_map = listing.weight_map
     if weight_map is None:
         return located, problems
@@ -551,7 +572,32 @@ def _against_checks(
     for tensor, where in located.items():
         if tensor not in names:
             problems.append(Problem(join(where.file), tensor, f"not in the shards in {against}"))
+    hint = _dtype_hint(plan, located)
+    if hint:
+        problems.append(Problem(output_dir, None, hint))
     return comparable, problems
+
+
+def _dtype_hint(plan: Plan, located: dict[str, _Located]) -> str | None:
+    """When every float tensor that differs in dtype was turned into one dtype, the output was written with --dtype."""
+    targets = {v: k for k, v in TARGETS.items()}
+    changed = {
+        (info.dtype, located[info.name].dtype)
+        for info in plan.tensors
+        if info.name in located and located[info.name].shape == info.shape and located[info.name].dtype != info.dtype
+        and DTYPE_BY_NAME[info.dtype].is_float
+    }
+    written = {after for _, after in changed}
+    if len(written) != 1 or next(iter(written)) not in targets:
+        return None
+    dtype = next(iter(written))
+    was = "/".join(sorted(before for before, _ in changed))
+    if plan.tensors and any(t.source_dtype != t.dtype for t in plan.tensors):
+        return None  # verify was given --dtype already
+    return (
+        f"the output's floating-point tensors are {dtype} where the shards hold {was}: if it was written "
+        f"with --dtype {targets[dtype]}, verify with --dtype {targets[dtype]}"
+    )
 
 
 def _diff_problems(plan: Plan, output_dir: str, located: dict[str, _Located], diffs: dict[int, _Diff]) -> list[Problem]:
@@ -598,6 +644,8 @@ def verify(
     output_dir = os.fspath(output_dir)
     against = None if against is None else os.fspath(against)
     listing: _Listing = agree(comm, lambda: _list_output(output_dir) if comm.rank == 0 else None, root=0)
+    if listing.sharded:
+        return VerifyReport(output_dir, against, comm.size, [], 0, 0, problems=list(listing.problems))
     files = sorted(set(listing.found) | set(listing.listed_existing))
     mine = files[comm.rank :: comm.size]
     parts = agree(comm, lambda: [_check_file(output_dir, name) for name in mine], gather=True)

@@ -95,3 +95,8 @@ def mpirun(ranks: int, args: list[str], timeout: float = 60) -> tuple[subprocess
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
     )
     return proc, time.monotonic() - start
+
+
+def writing_started(out: Path) -> bool:
+    """A run into ``out`` has created an output file in its private staging directory."""
+    return any(any(d.iterdir()) for d in out.glob(".mpicons-staging-*")) if out.is_dir() else False

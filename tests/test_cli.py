@@ -16,12 +16,12 @@ def test_every_consolidate_option_is_passed_on():
     args = build_parser().parse_args(
         ["consolidate", "in", "out", "--mapping", "m.json", "--dtype", "bf16", "--max-shard-size", "5GB",
          "--format", "hdf5", "--gather-to", "1", "--split", "files", "--io", "mpiio", "--hint", "a=b",
-         "--buffer-size", "8M", "--force", "--no-sync", "--progress", "3", "-v"]
+         "--buffer-size", "8M", "--force", "--break-lock", "--no-sync", "--progress", "3", "-v"]
     )
     kwargs = _job_kwargs(args)
     assert kwargs == dict(
         mapping="m.json", dtype="bf16", max_shard_size=5 * 10**9, output_format="hdf5", gather_to=1,
-        split="files", io="mpiio", hints={"a": "b"}, buffer_size=8 << 20, force=True, sync=False,
+        split="files", io="mpiio", hints={"a": "b"}, buffer_size=8 << 20, force=True, break_lock=True, sync=False,
         progress=3.0, verbose=True,
     )
     parameters = set(inspect.signature(consolidate).parameters) - {"input_dir", "output_dir", "comm"}

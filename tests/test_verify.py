@@ -254,9 +254,9 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], list[tuple[str | None, object
     "index-not-json": (lambda o: (o / INDEX).write_text("{"), [(INDEX, None, "index is not valid JSON")]),
     "file-missing": (lambda o: os.unlink(o / FILE2), [(FILE2, None, "listed in the index for 13 tensors but missing")]),
     "stray-file": (_write_stray, [("extra.safetensors", None, "not listed in the index (stray file)")]),
-    "partial-left": (
-        lambda o: (o / f".{FILE1}.mpicons-partial").write_bytes(b""),
-        [(f".{FILE1}.mpicons-partial", None, "leftover partial file")],
+    "staging-left": (
+        lambda o: (o / ".mpicons-staging-x1y2z3").mkdir(),
+        [(".mpicons-staging-x1y2z3", None, "left by an interrupted consolidation")],
     ),
 }
 

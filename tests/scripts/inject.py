@@ -2,8 +2,14 @@
 
 Usage: inject.py FAULT RANK -- mpicons arguments...
 FAULT: ``write-oserror`` (an I/O error while writing), ``bug-after-write`` (an unexpected exception
-outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write), ``slow-write`` (every rank writes slowly), ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``read-error`` (every shard read fails), ``kill-write``
-(the rank SIGKILLs itself mid-write).
+outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write), ``slow-write`` (every
+rank writes slowly), ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``read-error`` (every
+shard read fails), ``kill-write`` (the rank SIGKILLs itself mid-write), ``publish-STEP-HOW``
+(at the publishing step whose label starts with STEP: ``error`` raises an I/O error, ``kill``
+SIGKILLs the process, ``term`` sends it SIGTERM).
+
+The command line runs through ``mpicons.cli.run`` exactly as the console script does; the rank is
+taken from the launcher's environment, so MPI starts where it always does.
 """
 
 from __future__ import annotations
@@ -13,17 +19,16 @@ import signal
 import sys
 import time
 
-from mpi4py import MPI
-
 import mpicons.cli
 import mpicons.consolidation
 import mpicons.copy
+import mpicons.outdir
 
 fault, victim = sys.argv[1], int(sys.argv[2])
 args = sys.argv[sys.argv.index("--") + 1 :]
-rank = MPI.COMM_WORLD.rank
+rank = mpicons.cli.launcher_rank()
 
-if fault == "fsize-limit":  # every rank, after MPI is up: a 200 kB file-size limit
+if fault == "fsize-limit":  # every rank: a 200 kB file-size limit
     import resource
 
     resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY))
@@ -70,5 +75,21 @@ elif rank == victim:
             time.sleep(30)
 
         mpicons.copy.Executor.write_item = signalled_write
+    elif fault.startswith("publish-"):
+        _, step, how = fault.split("-", 2)
+        step = step.replace("_", " ")
 
-sys.exit(mpicons.cli.main(args))
+        def hook(label: str) -> None:
+            if not label.startswith(step):
+                return
+            if how == "error":
+                raise OSError(28, "No space left on device (injected)", f"<{label}>")
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if how == "term":
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        mpicons.outdir.step_hook = hook
+
+sys.argv = ["mpicons", *args]
+mpicons.cli.run()

@@ -1,0 +1,75 @@
+"""Termination signals turned into an agreed, clean failure (no MPI here).
+
+The command line installs the handlers before MPI starts, so no signal can arrive while nothing
+catches it. A caught signal is only *recorded*; it is raised as :class:`~mpicons.errors.Interrupted`
+inside a phase (where the failure is then agreed over the communicator), never between
+collectives, where raising would leave the other ranks waiting.
+"""
+
+from __future__ import annotations
+
+import signal
+from contextlib import contextmanager
+from typing import Iterator
+
+from .errors import Interrupted
+
+#: What Slurm and a terminal send: a time limit (TERM, or USR1 with ``--signal``), Ctrl-C.
+HANDLED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+
+
+class _State:
+    pending: int | None = None
+    inside_phase: bool = False
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    _State.pending = signum
+    if _State.inside_phase:
+        _State.inside_phase = False
+        raise Interrupted(f"interrupted by {signal.Signals(signum).name}")
+
+
+def install_handlers(signals: tuple[int, ...] = HANDLED) -> None:
+    """Catch termination signals; also ignore SIGXFSZ so a file-size limit is an EFBIG error, not a kill."""
+    for signum in signals:
+        signal.signal(signum, _on_signal)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+
+
+def pending_signal() -> signal.Signals | None:
+    """A signal caught but not yet raised (code that must not be interrupted polls this)."""
+    return signal.Signals(_State.pending) if _State.pending is not None else None
+
+
+def raise_pending() -> None:
+    """Raise :class:`Interrupted` if a signal was caught."""
+    if _State.pending is not None:
+        raise Interrupted(f"interrupted by {signal.Signals(_State.pending).name}")
+
+
+def forget_pending() -> None:
+    """Drop a recorded signal: the work it would have stopped is already complete."""
+    _State.pending = None
+
+
+@contextmanager
+def raising_inside() -> Iterator[None]:
+    """Inside, a caught signal raises at once (a phase's protected call)."""
+    previous = _State.inside_phase
+    _State.inside_phase = True
+    try:
+        yield
+    finally:
+        _State.inside_phase = previous
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Inside, caught signals are only recorded: for code whose MPI message pattern or renames must complete."""
+    previous = _State.inside_phase
+    _State.inside_phase = False
+    try:
+        yield
+    finally:
+        _State.inside_phase = previous
