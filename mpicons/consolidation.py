@@ -19,7 +19,7 @@ from .hdf5 import HDF5_NAME, check_names, create_layout, retarget
 from .interrupts import deferred, forget_pending, raise_pending
 from .io import BACKENDS, PosixOutput, MpiioOutput, SourceFiles, open_output
 from .machine import check_buffer_size, host_name
-from .outdir import OutputDir, write_new_file
+from .outdir import OutputDir
 from .parallel import Comm, agree, agree_on, wait_for_all
 from .progress import Progress
 from .plan import INDEX_NAME, SPLITS, Plan, build_plan, parse_mapping
@@ -307,8 +307,7 @@ def _publish(session: OutputDir, plan: Plan, output_format: str, durable: bool) 
     """
     with deferred():
         if output_format == "safetensors":
-            index = (json.dumps(plan.index(), indent=2) + "\n").encode()
-            write_new_file(os.path.join(session.staging or "", INDEX_NAME), index, durable)
+            session.write_staged(INDEX_NAME, (json.dumps(plan.index(), indent=2) + "\n").encode(), durable)
         session.publish(_final_names(plan, output_format), session.aside, durable, before_commit=raise_pending)
         forget_pending()
 

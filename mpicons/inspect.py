@@ -23,7 +23,7 @@ from .consolidation import load_mapping
 from .errors import InputError
 from .format import DTYPES
 from .parallel import Comm, agree
-from .plan import SPLITS, Plan, build_plan, output_name
+from .plan import SPLITS, Plan, build_plan, missing_shards, output_name
 from .stats import count_of as _count, human_bytes
 from .scan import DCP_SHARD_NAME, PieceTable, scan
 
@@ -341,7 +341,7 @@ def describe(
         files=files,
         per_rank=per_rank,
         problems=problems,
-        notes=_missing_shard_notes(shards),
+        notes=_missing_shard_notes(table),
         plan=plan,
     )
 
@@ -390,22 +390,14 @@ def _unplanned_tensors(
     return result
 
 
-def _missing_shard_notes(shards: list[ShardInfo], show: int = 5) -> list[str]:
+def _missing_shard_notes(table: PieceTable, show: int = 5) -> list[str]:
     """Hints about absent shard files: every training rank usually writes one per output file."""
-    named = [s for s in shards if s.training_rank is not None]
-    if not named or len(named) != len(shards) or len({s.output_count for s in named}) != 1:
-        return []
-    count = named[0].output_count or 0
-    present = {(s.training_rank, s.output_index) for s in named}
-    low = 1 if min(r for r, _ in present) >= 1 else 0
-    top = max(r for r, _ in present)
-    missing = [(r, i) for r in range(low, top + 1) for i in range(1, count + 1) if (r, i) not in present]
+    missing, expected, names = missing_shards(table.files, show)
     if not missing:
         return []
-    listed = ", ".join(f"shard-{r:05d}-model-{i:05d}-of-{count:05d}.safetensors" for r, i in missing[:show])
-    more = f" and {len(missing) - show} more" if len(missing) > show else ""
+    more = f" and {missing - len(names)} more" if missing > len(names) else ""
     return [
-        f"{len(missing)} of {(top - low + 1) * count} expected shard files absent: {listed}{more} "
+        f"{missing} of {expected} expected shard files absent: {', '.join(names)}{more} "
         "(fine if those training ranks held none of the file's tensors)"
     ]
 

@@ -27,6 +27,7 @@ import re
 import secrets
 import shutil
 import socket
+import stat
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -74,6 +75,16 @@ def write_new_file(path: str, data: bytes, durable: bool = True) -> None:
 
 
 def _read_small(path: str, limit: int = 1 << 16) -> bytes | None:
+    """The first ``limit`` bytes of the regular file at ``path``; None if absent.
+
+    Anything else there (a link, a directory, a pipe) is refused: only mpicons' own files are read.
+    """
+    try:
+        kind = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISREG(kind):
+        raise InputError(f"{path}: mpicons did not make this (it is not a regular file); remove it and rerun")
     try:
         fd = os.open(path, os.O_RDONLY | _NOFOLLOW)
     except FileNotFoundError:
@@ -435,7 +446,7 @@ class OutputDir:
         if entries and not force:
             raise InputError(
                 f"{self.path}: already holds {_describe_names(entries)} (use --force to replace "
-                f"{'them' if len(entries) > 1 else 'it'}{' and the rest of that checkpoint' if stale else ''})"
+                f"{'them' if len(entries) > 1 else 'it'})"
             )
         return entries
 
@@ -444,6 +455,13 @@ class OutputDir:
         self.staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.path)
         os.chmod(self.staging, 0o755)
         return self.staging
+
+    def write_staged(self, name: str, data: bytes, durable: bool = True) -> None:
+        """Create one small file (the index) in the staging directory."""
+        if self.staging is None:
+            raise RuntimeError("write_staged() before stage()")
+        step_hook(f"write {name}")
+        write_new_file(os.path.join(self.staging, name), data, durable)
 
     def publish(self, new: list[str], aside: list[str], durable: bool, before_commit: Callable[[], None]) -> None:
         """Move the staged ``new`` files in (commit point: the last one), replacing ``aside`` entries."""
@@ -455,6 +473,7 @@ class OutputDir:
                 raise WriteError(f"{self.lock.path}: this run's lock was broken by another run; nothing published")
             before_commit()
 
+        check()
         Transaction(self.path, self.staging, list(new), list(aside), durable).run(check)
         self.published = True
         self.staging = None

@@ -295,10 +295,10 @@ def build_plan(
     try:
         _check_coverage(table, tensors, full, starts, shape, offset, files, empty_piece)
     except InputError as exc:
-        missing = missing_shards(table.files)
+        missing, _, names = missing_shards(table.files)
         if missing:
-            more = f" (and {len(missing) - 3} more)" if len(missing) > 3 else ""
-            raise InputError(f"{exc}; shard files missing from the set (seen by no rank): {', '.join(missing[:3])}{more}") from None
+            more = f" (and {missing - len(names)} more)" if missing > len(names) else ""
+            raise InputError(f"{exc}; shard files missing from the set (seen by no rank): {', '.join(names)}{more}") from None
         raise
     tensors, shape, offset = _to_storage_units(table, tensors, tensor, shape, offset, files)
     tensors = [_converted(t, dtype) for t in tensors]
@@ -405,24 +405,46 @@ def _sorted_unique(values: np.ndarray) -> np.ndarray:
     return values[np.concatenate(([True], values[1:] != values[:-1]))]
 
 
-def missing_shards(files: Sequence[str]) -> list[str]:
-    """DCP shard names absent from the grid the present ones span (training ranks × output files).
+def missing_shards(files: Sequence[str], show: int = 3) -> tuple[int, int, list[str]]:
+    """Absent DCP shard files: (how many, how many the present names imply, the first ``show`` names).
 
-    A training rank with no piece of some output file writes no file for it, so this is only a
-    hint, given when coverage fails; a missing *last* rank cannot be seen this way at all.
+    The present names span a grid of training ranks × output files; a training rank with no piece
+    of some output file writes no file for it, so this is only a hint, and a missing *last* rank
+    cannot be seen at all. Costs what exists (the names present), never what the names imply: a
+    rank number of 10⁹ in one name does not make 10⁹ names.
     """
-    found = [m for m in map(DCP_SHARD_NAME.match, files) if m]
-    if not found:
-        return []
-    ranks = max(int(m.group(1)) for m in found)
-    count = max(int(m.group(3)) for m in found)
-    present = set(files)
-    return [
-        name
-        for rank in range(1, ranks + 1)
-        for index in range(1, count + 1)
-        if (name := f"shard-{rank:05d}-model-{index:05d}-of-{count:05d}.safetensors") not in present
-    ]
+    parsed = {(int(m.group(1)), int(m.group(2)), int(m.group(3))) for m in map(DCP_SHARD_NAME.match, files) if m}
+    counts = {count for _, _, count in parsed}
+    if not parsed or len(counts) != 1:
+        return 0, 0, []
+    count = counts.pop()
+    by_rank: dict[int, set[int]] = {}
+    for rank, index, _ in parsed:
+        by_rank.setdefault(rank, set()).add(index)
+    low, top = (1 if min(by_rank) >= 1 else 0), max(by_rank)
+    expected = (top - low + 1) * count
+    missing = expected - len(parsed)
+    names: list[str] = []
+    previous = low - 1
+    for rank in sorted(by_rank):
+        for absent in range(previous + 1, min(rank, previous + 1 + show)):  # ranks with no file at all
+            names += [shard_file_name(absent, i, count) for i in range(1, min(count, show) + 1)]
+        index = 1
+        while len(names) < show and index <= count:
+            if index not in by_rank[rank]:
+                names.append(shard_file_name(rank, index, count))
+            index += 1
+            if index > len(by_rank[rank]) + show:
+                break
+        previous = rank
+        if len(names) >= show:
+            break
+    return missing, expected, names[:show]
+
+
+def shard_file_name(rank: int, index: int, count: int) -> str:
+    """The name torch's HuggingFaceStorageWriter gives training rank ``rank``'s part of output file ``index``."""
+    return f"shard-{rank:05d}-model-{index:05d}-of-{count:05d}.safetensors"
 
 
 def _check_agreement(

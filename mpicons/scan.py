@@ -24,6 +24,8 @@ from .parallel import Comm, agree
 #: ``shard-RRRRR-model-IIIII-of-NNNNN.safetensors`` as written by torch's HuggingFaceStorageWriter.
 DCP_SHARD_NAME = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
 SHARDING_KEY = "DCP_SHARDING_INFO"
+#: Largest training rank, file index or file count a shard name may carry (numbers are stored as int32).
+MAX_SHARD_NUMBER = 2**31 - 1
 
 
 @dataclass
@@ -110,6 +112,8 @@ def read_table(input_dir: str, files: Sequence[str]) -> PieceTable:
         except OSError as exc:
             raise InputError(f"{path}: cannot read ({exc.strerror})") from None
         match = DCP_SHARD_NAME.match(file_name)
+        if match and max(int(part) for part in match.groups()) > MAX_SHARD_NUMBER:
+            raise InputError(f"{path}: the numbers in this shard name are out of range (at most {MAX_SHARD_NUMBER})")
         info = _sharding_info(path, header.metadata)
         if match and info is None:
             raise InputError(f"{path}: named like a DCP shard but its header has no {SHARDING_KEY}")

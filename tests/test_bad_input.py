@@ -317,6 +317,37 @@ def mapping_escapes_directory(inp: Path) -> Expect:
     return Expect(rf"tensor '{COLS}' maps to .*, which is not a plain file name", str(path), args=["--mapping", str(path)])
 
 
+def shard_number_out_of_range(inp: Path) -> Expect:
+    name = "shard-00004-model-00001-of-99999999999.safetensors"
+    (inp / V1).rename(inp / name)
+    return Expect("the numbers in this shard name are out of range", str(inp / name), reader=name)
+
+
+NORM = "model.norm.weight"
+NORM_HOLDER = "shard-00002-model-00002-of-00002.safetensors"
+NORM_TWIN = "shard-00003-model-00002-of-00002.safetensors"
+
+
+def add_norm_replica(inp: Path, change: Callable[[bytes], bytes] = lambda data: data) -> None:
+    """Give a second training rank's file a copy of the replicated norm, its bytes passed through ``change``."""
+    original_header, original_data = read_st(inp / NORM_HOLDER)
+    begin, end = original_header[NORM]["data_offsets"]
+    header, data = read_st(inp / NORM_TWIN)
+    copy = change(original_data[begin:end])
+    header[NORM] = {**original_header[NORM], "data_offsets": [len(data), len(data) + len(copy)]}
+    info = json.loads(header["__metadata__"][INFO])
+    info[NORM] = {"saved_offsets": [0]}
+    header["__metadata__"][INFO] = json.dumps(info)
+    write_st(inp / NORM_TWIN, header, data + copy)
+
+
+def replica_differs(inp: Path) -> Expect:
+    add_norm_replica(inp, lambda data: bytes([data[0] ^ 1]) + data[1:])
+    return Expect(
+        rf"replicas differ: region \[0:64\] is stored in {NORM_HOLDER} and {NORM_TWIN} with different bytes", f"tensor '{NORM}'"
+    )
+
+
 CASES = [
     missing_dir, empty_dir, not_safetensors, too_short, truncated_data, truncated_header,
     header_length_past_file, header_length_over_cap, header_not_utf8, header_not_json, header_not_object,
@@ -325,7 +356,7 @@ CASES = [
     offsets_overlap, offsets_gap, offsets_past_file, pieces_overlap, pieces_leave_hole, shard_file_missing,
     pieces_disagree_on_dtype, pieces_disagree_on_rank, same_pieces_in_two_files, stray_plain_safetensors,
     renamed_shard, output_counts_disagree, mapping_misses_tensor, mapping_names_absent_tensor,
-    mapping_escapes_directory,
+    mapping_escapes_directory, shard_number_out_of_range, replica_differs,
 ]
 
 
@@ -364,6 +395,7 @@ def test_the_rewriting_helpers_alone_break_nothing(tmp_path: Path, ranks: int) -
     shutil.copytree(SOURCE, inp)
     for name in (V1, V2):
         edit_info(inp / name, lambda info: None)
+    add_norm_replica(inp)  # an identical replica is fine
     (inp / "notes.txt").write_text("not a shard, ignored\n")
     proc, _ = mpirun(ranks, ["-m", "mpicons", "consolidate", "-q", str(inp), str(out)], timeout=30)
     assert proc.returncode == 0, proc.stderr
