@@ -1,7 +1,7 @@
 """Replicated pieces must hold the same bytes: each copy is hashed by one rank that can read it.
 
 A piece saved more than once (a tensor replicated over a mesh dimension and written by several
-ranks) is kept once by the plan. Before anything is written, every copy is hashed (BLAKE2b, in
+ranks) is kept once by the plan. Before anything is written, every copy is hashed (SHA-256, in
 blocks of the rank's buffer) by a rank that can read its file, the digests are gathered, and a
 group whose copies differ is bad input naming the tensor, the region and both files. The cost is
 one read of the replicated bytes; checkpoints written by torch's DCP store replicas once, so it
@@ -37,7 +37,7 @@ def hash_rows(replicas: Replicas, rows: np.ndarray, sources: SourceFiles, buffer
     result = {}
     view = memoryview(buffer)
     for row in rows:
-        digest = hashlib.blake2b(digest_size=16)
+        digest = hashlib.sha256()
         start, length = int(replicas.begin[row]), int(replicas.nbytes[row])
         for done in range(0, length, len(view)):
             chunk = view[: min(len(view), length - done)]
