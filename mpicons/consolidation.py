@@ -123,6 +123,12 @@ def check_machine(comm: Comm, input_dir: str, output_dir: str, buffer_size: int)
     agree(comm, check)
 
 
+def check_buffer_fits(comm: Comm, buffer_size: int) -> None:
+    """Refuse, before any work, a buffer size the ranks sharing a node cannot all have."""
+    hosts = agree(comm, host_name, gather=True)
+    agree(comm, lambda: check_buffer_size(buffer_size, hosts.count(hosts[comm.rank])))
+
+
 def consolidate(
     input_dir: str | os.PathLike[str],
     output_dir: str | os.PathLike[str],

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from mpi4py import MPI
 
-from .consolidation import DEFAULT_BUFFER_SIZE
+from .consolidation import DEFAULT_BUFFER_SIZE, check_buffer_fits
 from .errors import InputError, MpiconsError
 from .format import DTYPE_BY_NAME, Header, read_header
 from .io import SourceFiles
@@ -643,6 +643,7 @@ def verify(
     comm = MPI.COMM_WORLD if comm is None else comm
     output_dir = os.fspath(output_dir)
     against = None if against is None else os.fspath(against)
+    check_buffer_fits(comm, buffer_size)
     listing: _Listing = agree(comm, lambda: _list_output(output_dir) if comm.rank == 0 else None, root=0)
     if listing.sharded:
         return VerifyReport(output_dir, against, comm.size, [], 0, 0, problems=list(listing.problems))
