@@ -23,6 +23,7 @@ from .interrupts import install_handlers
 
 if TYPE_CHECKING:
     from .consolidation import ConsolidateResult
+    from .options import Options
     from .parallel import Comm
 
 DEFAULT_BUFFER_SIZE = 32 << 20
@@ -178,8 +179,11 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument("-v", "--verbose", action="store_true", help="print per-rank detail")
 
 
-def _job_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
+def job_options(args: argparse.Namespace) -> "Options":
+    """The library's options object from the parsed command line (every field has an option)."""
+    from .options import Options
+
+    return Options(
         mapping=args.mapping,
         split=args.split,
         io=args.io,
@@ -271,7 +275,7 @@ def _cmd_consolidate(args: argparse.Namespace, comm: "Comm") -> int:
     from .consolidation import consolidate
 
     _check_report_paths(comm, args.stats_json)
-    result = consolidate(args.input_dir, args.output_dir, comm=comm, **_job_kwargs(args))
+    result = consolidate(args.input_dir, args.output_dir, job_options(args), comm=comm)
     _print_result(args, comm, result)
     write_report(comm, args.stats_json, lambda: _stats_report(result))
     return 0
@@ -290,9 +294,7 @@ def _cmd_demo(args: argparse.Namespace, comm: "Comm") -> int:
         say(f"mpicons demo: writing a sample checkpoint ({config.layers} layers, hidden {config.hidden}, "
             f"{config.dp}x{config.tp} training mesh) to {sharded}")
     write_sample(sharded, config, comm)
-    kwargs = _job_kwargs(args)
-    kwargs["force"] = True
-    result = consolidate(sharded, output, comm=comm, **kwargs)
+    result = consolidate(sharded, output, job_options(args), comm=comm, force=True)
     _print_result(args, comm, result)
     write_report(comm, args.stats_json, lambda: _stats_report(result))
     checked = check_sample(output, config, comm)

@@ -6,34 +6,32 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
-import numpy as np
 from mpi4py import MPI
 
-from .copy import MIN_BUFFER, Executor
-from .convert import TARGETS
-from .exchange import ExchangeExecutor
 from .errors import InputError, MpiconsError
+from .exchange import ExchangeWriter
 from .hdf5 import HDF5_NAME, check_names, create_layout, retarget
 from .interrupts import deferred, forget_pending, raise_pending
-from .io import BACKENDS, PosixOutput, MpiioOutput, SourceFiles, open_output
+from .io import OutputBackend, SourceFiles, open_output
 from .machine import check_buffer_size, host_name
+from .options import DEFAULT_BUFFER_SIZE, FORMATS, Options
 from .outdir import OutputDir
 from .parallel import Comm, agree, agree_on, wait_for_all
+from .plan import INDEX_NAME, Layout, Part, build_layout, parse_mapping
 from .progress import Progress
-from .plan import INDEX_NAME, SPLITS, Plan, build_plan, parse_mapping
-from .replicas import assign_readers, check_digests, hash_rows
-from .routing import Routes, route
-from .scan import PieceTable, rank_directory, scan
+from .replicas import check_replicas
+from .scan import Scanned, distribute, rank_directory, scan
 from .stats import PhaseClock, Stats, reduce_stats
+from .writer import Writer
 
-DEFAULT_BUFFER_SIZE = 32 << 20
 #: Background threads per rank for posix writes and kernel copies (overlapping the next block's assembly).
 IO_THREADS = int(os.environ.get("MPICONS_IO_THREADS", "1"))
-FORMATS = ("safetensors", "hdf5")
 
 log = logging.getLogger("mpicons")
+
+__all__ = ["consolidate", "ConsolidateResult", "Options", "load_mapping", "DEFAULT_BUFFER_SIZE", "FORMATS"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +44,7 @@ class ConsolidateResult:
     tensors: int
     total_bytes: int
     stats: Stats
-    plan: Plan
+    layout: Layout
     hints: dict[str, str]
     bytes_per_rank: list[int]
     moved_bytes: int  # bytes sent between ranks over MPI (node-local shards / gather_to)
@@ -69,30 +67,9 @@ def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict
     return parse_mapping(obj, path)
 
 
-def _final_names(plan: Plan, output_format: str) -> list[str]:
+def final_names(layout: Layout, output_format: str) -> list[str]:
     """Every name the job publishes, in publishing order: the index (safetensors) last."""
-    return [f.name for f in plan.files] + ([INDEX_NAME] if output_format == "safetensors" else [])
-
-
-def check_options(
-    ranks: int, *, split: str, io: str, buffer_size: int, output_format: str, gather_to: int | None, dtype: str | None
-) -> None:
-    """Options that are wrong whatever the checkpoint: refused before any work (the same on every rank)."""
-    if output_format not in FORMATS:
-        raise InputError(f"unknown output format {output_format!r} (choose from {', '.join(FORMATS)})")
-    if split not in SPLITS:
-        raise InputError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
-    if io not in BACKENDS:
-        raise InputError(f"unknown I/O backend {io!r} (choose from {', '.join(BACKENDS)})")
-    if dtype is not None and dtype not in TARGETS:
-        raise InputError(f"unknown --dtype {dtype!r} (choose from {', '.join(TARGETS)})")
-    if buffer_size <= 0:
-        raise InputError(f"--buffer-size must be positive (got {buffer_size})")
-    if gather_to is not None:
-        if not 0 <= gather_to < ranks:
-            raise InputError(f"--gather-to {gather_to}: no such rank (the job has {ranks})")
-        if io != "posix":
-            raise InputError("--gather-to writes on one rank's local disk: use --io posix")
+    return [f.name for f in layout.files] + ([INDEX_NAME] if output_format == "safetensors" else [])
 
 
 def _directory_identity(path: str) -> tuple[int, int] | None:
@@ -129,81 +106,75 @@ def check_buffer_fits(comm: Comm, buffer_size: int) -> None:
     agree(comm, lambda: check_buffer_size(buffer_size, hosts.count(hosts[comm.rank])))
 
 
+def plan_job(comm: Comm, scanned: Scanned, options: Options, mapping: dict[str, str] | None) -> tuple[Layout, Part]:
+    """The layout (the same on every rank) and this rank's checked part of the pieces."""
+    layout = agree(comm, lambda: build_layout(
+        scanned.files, scanned.names, scanned.facts, comm.size, mapping=mapping, split=options.split,
+        dtype=options.dtype, max_shard_size=options.max_shard_size,
+    ))
+    if options.output_format == "hdf5":
+        agree(comm, lambda: check_names(layout))
+    if options.gather_to is not None:
+        everything = [item for items in layout.work for item in items]
+        layout.work = [everything if rank == options.gather_to else [] for rank in range(comm.size)]
+    return layout, distribute(comm, scanned, layout)
+
+
 def consolidate(
     input_dir: str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
+    options: Options | None = None,
     *,
     comm: Comm | None = None,
-    mapping: str | os.PathLike[str] | Mapping[str, object] | None = None,
-    split: str = "bytes",
-    io: str = "posix",
-    buffer_size: int = DEFAULT_BUFFER_SIZE,
-    hints: Mapping[str, str] | None = None,
-    force: bool = False,
-    break_lock: bool = False,
-    progress: float | None = None,
-    verbose: bool = False,
-    dtype: str | None = None,
-    max_shard_size: int | None = None,
-    output_format: str = "safetensors",
-    gather_to: int | None = None,
-    sync: bool = True,
+    **changes: Any,
 ) -> ConsolidateResult:
     """Consolidate the sharded checkpoint in ``input_dir`` into a Hugging Face checkpoint in ``output_dir``.
 
-    Collective over ``comm`` (default ``MPI.COMM_WORLD``): every rank of it must call this with the
-    same arguments. ``progress`` (seconds) makes rank 0 report bytes done, rate and ETA: a bar on
-    a terminal, else a line every ``progress`` seconds. ``dtype`` (``bf16``/``fp16``/``fp32``) converts
-    floating-point tensors; ``max_shard_size`` (bytes) re-shards like Hugging Face;
-    ``output_format="hdf5"`` writes one ``model.h5`` instead (needs h5py).
+    Parameters:
+        input_dir: the shard files (``shard-*-model-*.safetensors`` or plain safetensors). ``{rank}`` in it
+            gives each rank its own directory (node-local shards); the same path may also name a
+            different node-local disk on each node: each file is read by ranks that see it.
+        output_dir: where ``model-*.safetensors`` and ``model.safetensors.index.json`` go; created if
+            missing. It may be the input's parent, never an input directory.
+        options: an :class:`~mpicons.options.Options`; keyword arguments (``split="files"``,
+            ``buffer_size=...``, any field of it) change single fields.
+        comm: the communicator (default ``MPI.COMM_WORLD``). Collective: every rank of it calls this
+            with the same arguments; other ranks of the job are untouched.
 
-    The output directory is locked for the run (``break_lock`` clears a lock left by a run that
-    cannot be proven dead); new files are written in a private staging directory and published as
-    one transaction, so the directory holds either what it held before or the complete new
-    checkpoint. ``force`` replaces an existing checkpoint there (its files that the new one does
-    not name are removed in the same transaction).
-
-    Shards need not be on a shared filesystem: ``{rank}`` in ``input_dir`` gives each rank its own
-    directory (or the same path names a node-local disk); each file is read only by ranks that see
-    it and data moves over MPI where needed. ``gather_to=r`` writes every output on rank ``r`` only
-    (its local ``output_dir``). ``sync=False`` skips flushing outputs to stable storage (renames stay
-    atomic for processes, but a power loss may then leave empty or partial files). Raises
-    :class:`~mpicons.errors.InputError` for a bad checkpoint or options and
-    :class:`~mpicons.errors.WriteError` for I/O failures, on every rank alike.
+    The output directory is locked for the run; new files are written in a private staging
+    directory and published as one transaction, so the directory holds either what it held before
+    or the complete new checkpoint. Returns a :class:`ConsolidateResult` on every rank, or raises
+    :class:`~mpicons.errors.InputError` (bad checkpoint or options) or
+    :class:`~mpicons.errors.WriteError` (I/O failure, signal) on every rank alike.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
+    options = (options or Options()).with_changes(**changes)
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
-    check_options(comm.size, split=split, io=io, buffer_size=buffer_size, output_format=output_format, gather_to=gather_to, dtype=dtype)
-    owner = gather_to if gather_to is not None else 0
+    options.check(comm.size)
+    owner = options.gather_to if options.gather_to is not None else 0
     clock = PhaseClock()
     held: list[OutputDir] = []  # the owner's hold on the output directory
 
     def open_output_dir() -> list[str]:
-        held.append(OutputDir.open(output_dir, break_lock))
+        held.append(OutputDir.open(output_dir, options.break_lock))
         return held[0].notes
 
     try:
         with clock("scan"):
-            check_machine(comm, input_dir, output_dir, buffer_size)
+            check_machine(comm, input_dir, output_dir, options.buffer_size)
             notes = agree_on(comm, owner, open_output_dir)
             if comm.rank == 0:
                 for note in notes:
                     log.info("%s: %s", output_dir, note)
-            names = agree_on(comm, 0, lambda: load_mapping(mapping) if mapping is not None else None)
-            table = scan(input_dir, comm)
+            mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
+            scanned = scan(input_dir, comm)
         with clock("plan"):
-            plan = agree(comm, lambda: build_plan(table, comm.size, mapping=names, split=split, dtype=dtype, max_shard_size=max_shard_size))
-            if output_format == "hdf5":
-                agree(comm, lambda: check_names(plan))
-            routes = None
-            if table.holders is not None or gather_to is not None:
-                routes = agree(comm, lambda: route(plan, table.holders, comm.size, _block_bytes(buffer_size), gather_to))
+            layout, part = plan_job(comm, scanned, options, mapping)
         with clock("write"):
-            check_replicas(comm, plan, table, buffer_size)
-            plan, written, in_effect = _write(comm, held, plan, routes, table, owner, force, output_format,
-                                              io, hints, buffer_size, progress, verbose, sync)
+            check_replicas(comm, scanned, layout, part, options.buffer_size)
+            layout, written, moved, in_effect = _write(comm, held, scanned, layout, part, owner, options)
         with clock("finalize"):
-            agree_on(comm, owner, lambda: _publish(held[0], plan, output_format, sync))
+            agree_on(comm, owner, lambda: _publish(held[0], layout, options.output_format, options.sync))
             forget_pending()  # the checkpoint is complete: a signal now has nothing left to stop
     except BaseException as exc:
         for session in held:
@@ -213,140 +184,95 @@ def consolidate(
         raise
     for session in held:
         session.close()
-    stats = reduce_stats(comm, clock, written, len(plan.files), len(plan.tensors), plan.total_bytes)
+    stats = reduce_stats(comm, clock, written, len(layout.files), len(layout.tensors), layout.total_bytes)
     return ConsolidateResult(
         output_dir=output_dir,
-        files=[f.name for f in plan.files],
-        index_file=INDEX_NAME if output_format == "safetensors" else "",
-        tensors=len(plan.tensors),
-        total_bytes=plan.total_bytes,
+        files=[f.name for f in layout.files],
+        index_file=INDEX_NAME if options.output_format == "safetensors" else "",
+        tensors=len(layout.tensors),
+        total_bytes=layout.total_bytes,
         stats=stats,
-        plan=plan,
+        layout=layout,
         hints=in_effect,
-        bytes_per_rank=routes.written.tolist() if routes is not None else plan.bytes_per_rank(),
-        moved_bytes=routes.moved_bytes if routes is not None else 0,
-        shared_input=table.holders is None,
+        bytes_per_rank=comm.allgather(written),
+        moved_bytes=comm.allreduce(moved, op=MPI.SUM),
+        shared_input=scanned.shared,
         notes=notes,
     )
 
 
-def check_replicas(comm: Comm, plan: Plan, table: PieceTable, buffer_size: int) -> None:
-    """Every copy of a replicated piece hashed by a rank that can read it; differing copies are bad input."""
-    replicas = plan.replicas
-    if replicas is None:
-        return
-    readers = assign_readers(replicas, table.holders, comm.size)
-    mine = np.flatnonzero(readers == comm.rank)
-
-    def digest_mine() -> dict[int, bytes]:
-        sources = SourceFiles(table.directory, plan.source_files)
-        try:
-            return hash_rows(replicas, mine, sources, np.empty(max(MIN_BUFFER, buffer_size), dtype=np.uint8))
-        finally:
-            sources.close()
-
-    digests: dict[int, bytes] = {}
-    for part in agree(comm, digest_mine, gather=True):
-        digests.update(part)
-    agree(comm, lambda: check_digests(plan, digests))
-
-
 def _write(
-    comm: Comm,
-    held: list[OutputDir],
-    plan: Plan,
-    routes: Routes | None,
-    table: PieceTable,
-    owner: int,
-    force: bool,
-    output_format: str,
-    io: str,
-    hints: Mapping[str, str] | None,
-    buffer_size: int,
-    progress: float | None,
-    verbose: bool,
-    sync: bool,
-) -> tuple[Plan, int, dict[str, str]]:
-    """Stage every output in the owner's private directory and fill it; returns the (re-targeted) plan."""
-    if output_format == "hdf5":
-        plan = retarget(plan, [0] * len(plan.tensors), 0)
-    names = _final_names(plan, output_format)
+    comm: Comm, held: list[OutputDir], scanned: Scanned, layout: Layout, part: Part, owner: int, options: Options
+) -> tuple[Layout, int, int, dict[str, str]]:
+    """Stage every output in the owner's private directory and fill it; returns the (re-targeted) layout,
+    the bytes this rank wrote and sent, and the MPI-IO hints in effect."""
+    hdf5 = options.output_format == "hdf5"
+    if hdf5:
+        layout = retarget(layout, [0] * len(layout.tensors), 0)
+    names = final_names(layout, options.output_format)
 
-    def stage() -> tuple[str, list[str]]:
+    def stage() -> str:
         session = held[0]
-        aside = session.replaced_entries(names, force, checkpoint=output_format == "safetensors")
-        session.aside = aside
-        return session.stage(), aside
+        session.aside = session.replaced_entries(names, options.force, checkpoint=not hdf5)
+        return session.stage()
 
-    staging, _ = agree_on(comm, owner, stage)
-    if output_format == "hdf5":
-        offsets, size = agree_on(comm, owner, lambda: _layout_hdf5(staging, plan))
-        plan = retarget(plan, offsets, size)
-    paths = [os.path.join(staging, f.name) for f in plan.files]
-    output = agree(
-        comm,
-        lambda: open_output(
-            io, comm, paths, [f.header for f in plan.files], [f.size for f in plan.files], hints,
-            preallocated=output_format == "hdf5", owner=owner, durable=sync,
-        ),
-    )
-    sources = SourceFiles(table.directory, plan.source_files)
+    staging = agree_on(comm, owner, stage)
+    if hdf5:
+        offsets, size = agree_on(comm, owner, lambda: _layout_hdf5(staging, layout))
+        layout = retarget(layout, offsets, size)
+    paths = [os.path.join(staging, f.name) for f in layout.files]
+    output = agree(comm, lambda: open_output(
+        options.io, comm, paths, [f.header for f in layout.files], [f.size for f in layout.files], options.hints,
+        preallocated=hdf5, owner=owner, durable=options.sync,
+    ))
+    sources = SourceFiles(scanned.directory, scanned.files.names)
     try:
         agree(comm, output.create)
-        written = agree(comm, lambda: _write_share(plan, routes, sources, output, buffer_size, comm, progress, verbose))
+        written, moved = agree(comm, lambda: _write_share(comm, scanned, layout, part, sources, output, options))
         agree(comm, output.sync)
-        return plan, written, output.hints_in_effect()
+        return layout, written, moved, output.hints_in_effect()
     finally:
         _close_quietly(output, sources)
 
 
-def _layout_hdf5(staging: str, plan: Plan) -> tuple[list[int], int]:
+def _layout_hdf5(staging: str, layout: Layout) -> tuple[list[int], int]:
     path = os.path.join(staging, HDF5_NAME)
-    offsets = create_layout(path, plan)
+    offsets = create_layout(path, layout)
     return offsets, os.path.getsize(path)
 
 
-def _publish(session: OutputDir, plan: Plan, output_format: str, durable: bool) -> None:
+def _publish(session: OutputDir, layout: Layout, output_format: str, durable: bool) -> None:
     """The owner writes the index into the staging directory and publishes everything as one transaction.
 
     Signals are held back meanwhile; one that arrived is honoured at the commit point (rolled back).
     """
     with deferred():
         if output_format == "safetensors":
-            session.write_staged(INDEX_NAME, (json.dumps(plan.index(), indent=2) + "\n").encode(), durable)
-        session.publish(_final_names(plan, output_format), session.aside, durable, before_commit=raise_pending)
+            session.write_staged(INDEX_NAME, (json.dumps(layout.index(), indent=2) + "\n").encode(), durable)
+        session.publish(final_names(layout, output_format), session.aside, durable, before_commit=raise_pending)
         forget_pending()
 
 
-def _block_bytes(buffer_size: int) -> int:
-    """Block size for routed work: six blocks (assembly, reads, receives, two sends, conversion) fit the buffer."""
-    return max(MIN_BUFFER, buffer_size // 6)
-
-
 def _write_share(
-    plan: Plan,
-    routes: Routes | None,
-    sources: SourceFiles,
-    output: PosixOutput | MpiioOutput,
-    buffer_size: int,
-    comm: Comm,
-    progress: float | None,
-    verbose: bool,
-) -> int:
-    """This rank's share of the writing; with progress, reports flow to rank 0 meanwhile."""
-    channel = comm.Dup() if progress or routes is not None else comm
-    reporter = Progress(channel, plan.total_bytes, progress, verbose=verbose) if progress else None
+    comm: Comm, scanned: Scanned, layout: Layout, part: Part, sources: SourceFiles, output: OutputBackend, options: Options
+) -> tuple[int, int]:
+    """This rank's share of the writing (bytes written, bytes sent); with progress, reports flow to rank 0 meanwhile."""
+    exchanging = not scanned.shared or options.gather_to is not None
+    channel = comm.Dup() if options.progress or exchanging else comm
+    reporter = Progress(channel, layout.total_bytes, options.progress, verbose=options.verbose) if options.progress else None
     on_bytes = reporter.add if reporter is not None else None
     ok = False
     try:
-        if routes is None:
-            written = Executor(plan, sources, output, buffer_size, on_bytes, io_threads=IO_THREADS).run(plan.work[comm.rank])
+        if not exchanging:
+            written, moved = Writer(layout, part, sources, output, options.buffer_size, on_bytes, io_threads=IO_THREADS).run(), 0
         else:
             with deferred():
-                executor = ExchangeExecutor(plan, routes, sources, output, _block_bytes(buffer_size), channel, on_bytes)
-                written = executor.run_routes()
+                writer = ExchangeWriter(layout, part, scanned.files, sources, output, options.buffer_size, channel,
+                                        on_bytes, delegate=options.gather_to is None)
+                written = writer.run()
+                moved = writer.sent
         ok = True
-        return written
+        return written, moved
     finally:
         # Always report the end (so rank 0 never waits for a rank that failed); rank 0 waits only on success.
         if reporter is not None:
@@ -356,9 +282,11 @@ def _write_share(
             channel.Free()
 
 
-def _close_quietly(output: PosixOutput | MpiioOutput, sources: SourceFiles) -> None:
+def _close_quietly(output: OutputBackend, sources: SourceFiles) -> None:
     sources.close()
     try:
         output.close()
     except (OSError, MPI.Exception):
         pass
+
+

@@ -1,11 +1,17 @@
-"""Executing routed work (node-local shards): in-place copies, and blocks assembled from portions
-read locally or received over MPI, in bounded buffers.
+"""Writing a part when not every rank can read every shard file (node-local disks), or when one rank
+writes everything (``--gather-to``): bytes a writer cannot read come from a rank that can, one
+message per block per reader.
 
-Every rank walks the blocks it takes part in in global order; as a reader it sends its portions
-with non-blocking sends (a small window of buffers, so reading the next portion overlaps sending
-the last), as a writer it posts every receive of a block first, reads its own portions while they
-arrive, then assembles and writes. A rank that fails keeps playing its part without doing I/O, so
-no other rank waits forever; the failure is raised when its share is done and agreed on as usual.
+Before writing, each writer computes its blocks (:mod:`mpicons.engine`), and for every block and
+every rank holding some of its bytes, the coalesced reads that rank must do; one Alltoallv hands
+every rank its requests. Large contiguous pieces are copied file to file by a rank that can read
+them (delegated with a second Alltoallv) unless the output is gathered on one rank.
+
+Blocks are numbered ``index · size + writer`` (the writers' blocks interleaved) and every rank
+handles the blocks it takes part in, as writer or reader, in that order: the rank at the smallest
+unfinished number can always progress, so the exchange cannot deadlock, and messages between two
+ranks are sent and expected in the same order (one tag). A rank whose I/O fails, or that gets a
+signal, keeps its part of the message pattern without doing I/O and raises at the end.
 """
 
 from __future__ import annotations
@@ -16,43 +22,61 @@ from typing import Callable
 import numpy as np
 from mpi4py import MPI
 
-from .convert import convert, numpy_dtype
-from .copy import Executor, _Pieces, _Target
+from .engine import Assembler, Block, Direct, Runs, block_budget, blocks, coalesce, direct_pieces, place, plan_item
 from .errors import Interrupted
-from .io import MpiioOutput, PosixOutput, SourceFiles
 from .interrupts import pending_signal
+from .io import OutputBackend, SourceFiles
 from .parallel import Comm
-from .plan import Plan
-from .routing import Routes
+from .plan import Layout, Part
+from .scan import exchange
+from .table import ShardFiles
 
 TAG = 29
 SEND_WINDOW = 2
+_REQUEST = np.dtype([("key", "<i8"), ("writer", "<i4"), ("file", "<i4"), ("src", "<i8"), ("length", "<i8")])
+_DIRECT = np.dtype([("file", "<i4"), ("out", "<i4"), ("src", "<i8"), ("offset", "<i8"), ("length", "<i8")])
 
 
-class ExchangeExecutor(Executor):
-    """Runs this rank's part of :class:`~mpicons.routing.Routes` (``comm`` should be a private duplicate)."""
+class ExchangeWriter:
+    """Writes (or hands to ``sink``) this rank's part and serves other ranks' reads (``comm``: a private duplicate)."""
 
     def __init__(
         self,
-        plan: Plan,
-        routes: Routes,
+        layout: Layout,
+        part: Part,
+        files: ShardFiles,
         sources: SourceFiles,
-        output: PosixOutput | MpiioOutput | None,
-        block_bytes: int,
+        output: OutputBackend | None,
+        buffer_size: int,
         comm: Comm,
         on_bytes: Callable[[int], None] | None = None,
+        delegate: bool = True,
+        sink: Callable[[Block, np.ndarray], None] | None = None,
+        copies: bool = True,
     ) -> None:
-        super().__init__(plan, sources, output, 2 * block_bytes, on_bytes)  # type: ignore[arg-type]
-        self.block = np.empty(block_bytes, dtype=np.uint8)
-        self.scratch = np.empty(block_bytes, dtype=np.uint8)
-        converting = any(t.source_dtype != t.dtype for t in plan.tensors)
-        self.converted = np.empty(block_bytes, dtype=np.uint8) if converting else self.block
-        self.routes = routes
+        self.layout = layout
+        #: What happens to a finished block (default: written to the output); ``copies=False`` assembles everything.
+        self.sink = sink or (lambda block, data: self.output.write(block.file, block.offset, memoryview(data)))
+        self.allow_copies = copies
+        self.part = part
+        self.sources = sources
+        self.output = output
         self.comm = comm
-        self.inbox = np.empty(len(self.block), dtype=np.uint8)
-        self.outbox = [np.empty(len(self.block), dtype=np.uint8) for _ in range(SEND_WINDOW)]
+        self.on_bytes = on_bytes or (lambda n: None)
+        self.delegate = delegate
+        # Buffers: two blocks to send, one received, one output, and the assembler's.
+        self.block_bytes = block_budget(buffer_size, 4)
+        self.assembler = Assembler(layout, part, self.block_bytes, sources.read_into)
+        self.out = np.empty(self.block_bytes, dtype=np.uint8)
+        self.inbox = np.empty(self.block_bytes, dtype=np.uint8)
+        self.outbox = [np.empty(self.block_bytes, dtype=np.uint8) for _ in range(SEND_WINDOW)]
         self.in_flight: deque[tuple[MPI.Request, int]] = deque()
+        me = comm.rank
+        holders = files.holders
+        self.readable = np.ones(len(files), dtype=bool) if holders is None else np.array([me in h for h in holders], dtype=bool)
         self.error: BaseException | None = None
+        self.written = 0
+        self.sent = 0
 
     def _guard(self, action: Callable[[], None]) -> None:
         """Run an I/O action unless an earlier one failed; remember the first failure."""
@@ -63,135 +87,127 @@ class ExchangeExecutor(Executor):
         except Exception as exc:  # noqa: BLE001 - re-raised after the exchange completes
             self.error = exc
 
-    def run_routes(self) -> int:
-        me = self.comm.rank
-        routes = self.routes
-        written = 0
-        for piece in routes.direct_piece[routes.direct_rank == me]:
-            written += self._direct(int(piece))
-        block_of_portion = np.repeat(np.arange(len(routes.block_writer)), np.diff(routes.portion_start))
-        reading = np.unique(block_of_portion[routes.portion_reader == me])
-        for block in np.union1d(np.nonzero(routes.block_writer == me)[0], reading):
+    # ---------------------------------------------------------------- the plan of messages
+
+    def _local_and_remote(self, runs: Runs) -> tuple[Runs, list[tuple[int, Runs]]]:
+        """The runs this rank reads itself, and per other holder (ascending) the runs it sends."""
+        local = self.readable[runs.file]
+        remote = runs.take(np.flatnonzero(~local))
+        by_holder = [(int(h), remote.take(np.flatnonzero(remote.holder == h))) for h in np.unique(remote.holder)]
+        return runs.take(np.flatnonzero(local)), by_holder
+
+    def _prepare(self) -> tuple[list[Block], list[Direct], np.ndarray, np.ndarray]:
+        direct = direct_pieces(self.layout, self.part) & self.allow_copies
+        if not self.delegate:
+            direct &= self.readable[self.part.pieces.file]
+        copies, segments = [], []
+        for item in self.part.items:
+            item_copies, item_segments = plan_item(self.layout, self.part, item, direct)
+            copies += item_copies
+            segments += item_segments
+        my_blocks = [b for whole in blocks(self.layout, segments, self.block_bytes) for b in self.assembler.split(whole)]
+        size, me = self.comm.size, self.comm.rank
+        requests, destinations = [], []
+        for index, block in enumerate(my_blocks):
+            _, remote = self._local_and_remote(self.assembler.runs(block))
+            for holder, runs in remote:
+                reads, _ = coalesce(runs, self.block_bytes // 4)
+                rows = np.zeros(len(reads.file), dtype=_REQUEST)
+                rows["key"], rows["writer"] = index * size + me, me
+                rows["file"], rows["src"], rows["length"] = reads.file, reads.src, reads.length
+                requests.append(rows)
+                destinations.append(np.full(len(rows), holder, dtype=np.int32))
+        own = [c for c in copies if self.readable[c.file]]
+        handed = [c for c in copies if not self.readable[c.file]]
+        delegated = np.zeros(len(handed), dtype=_DIRECT)
+        for i, c in enumerate(handed):
+            delegated[i] = (c.file, c.out, c.src, c.offset, c.length)
+        incoming = exchange(self.comm, np.concatenate(requests) if requests else np.zeros(0, _REQUEST),
+                            np.concatenate(destinations) if destinations else np.zeros(0, np.int32))
+        received_copies = exchange(self.comm, delegated, np.array([c.holder for c in handed], dtype=np.int32))
+        for row in received_copies:
+            own.append(Direct(int(row["file"]), int(row["src"]), int(row["out"]), int(row["offset"]), int(row["length"])))
+        return my_blocks, own, incoming, np.array([b.size for b in my_blocks], dtype=np.int64)
+
+    # ---------------------------------------------------------------- running it
+
+    def run(self) -> int:
+        """Write this rank's blocks and copies, serve its reads; returns the bytes written here."""
+        my_blocks, copies, incoming, _ = self._prepare()
+        size, me = self.comm.size, self.comm.rank
+        incoming = incoming[np.argsort(incoming["key"], kind="stable")]
+        serve_keys, serve_start = np.unique(incoming["key"], return_index=True)
+        serve_start = np.append(serve_start, len(incoming))
+        own_keys = np.arange(len(my_blocks), dtype=np.int64) * size + me
+        keys = np.union1d(own_keys, serve_keys)
+        serve_of = {int(k): (int(serve_start[i]), int(serve_start[i + 1])) for i, k in enumerate(serve_keys)}
+        for key in keys.tolist():
             signum = pending_signal()
             if signum is not None and self.error is None:
                 self.error = Interrupted(f"interrupted by {signum.name}")
-            if routes.block_writer[block] == me:
-                written += self._write_block(int(block))
-            else:
-                self._send_portions(int(block))
+            if key % size == me and key // size < len(my_blocks):
+                self._write_block(my_blocks[key // size])
+            if key in serve_of:
+                lo, hi = serve_of[key]
+                self._serve(incoming[lo:hi])
         while self.in_flight:
             self.in_flight.popleft()[0].Wait()
+        for copy in copies:
+            self._guard(lambda c=copy: self._copy(c))
         if self.error is not None:
             raise self.error
-        return written
+        return self.written
 
-    def _target(self, tensor_index: int) -> _Target:
-        tensor = self.plan.tensors[tensor_index]
-        dtypes = None
-        if tensor.source_dtype != tensor.dtype:
-            dtypes = (numpy_dtype(tensor.source_dtype), numpy_dtype(tensor.dtype))
-        return _Target(tensor.file, tensor.source_unit, tensor.unit, dtypes)
+    def _serve(self, reads: np.ndarray) -> None:
+        """Read what a writer asked for (one message per block) and send it without waiting."""
+        total = int(reads["length"].sum())
+        if len(self.in_flight) == SEND_WINDOW:
+            request, slot = self.in_flight.popleft()
+            request.Wait()
+        else:
+            used = {slot for _, slot in self.in_flight}
+            slot = next(i for i in range(SEND_WINDOW) if i not in used)
+        if len(self.outbox[slot]) < total:
+            self.outbox[slot] = np.empty(total, dtype=np.uint8)
+        buffer = self.outbox[slot][:total]
+        position = 0
+        for file, src, length in zip(reads["file"].tolist(), reads["src"].tolist(), reads["length"].tolist()):
+            target = memoryview(buffer[position : position + length])
+            self._guard(lambda f=file, s=src, t=target: self.sources.read_into(f, s, t))
+            position += length
+        self.in_flight.append((self.comm.Isend(buffer, dest=int(reads["writer"][0]), tag=TAG), slot))
+        self.sent += total
 
-    def _tensor_of_piece(self, piece: int) -> int:
-        return int(np.searchsorted(self.plan.piece_start, piece, side="right") - 1)
-
-    def _direct(self, piece: int) -> int:
-        """A contiguous piece copied in place by a rank that can read it."""
-        plan = self.plan
-        t = self._tensor_of_piece(piece)
-        tensor = plan.tensors[t]
-        one = _Pieces(plan.piece_file[piece : piece + 1], plan.piece_begin[piece : piece + 1],
-                      plan.piece_shape[piece : piece + 1], plan.piece_offset[piece : piece + 1])
-        rows = int(one.shape[0, 0])
-        start = int(one.offset[0, 0])
-        row_elements = int(np.prod(tensor.storage[1:], dtype=np.int64))
-        self._guard(lambda: self._copy_rows(self._target(t), tensor.offset, row_elements, one, start, start + rows))
-        return rows * row_elements * tensor.unit
-
-    def _portion(self, q: int) -> tuple[int, int, int, int]:
-        """(source file, byte offset, byte length, first row) of portion ``q``."""
-        plan, routes = self.plan, self.routes
-        piece = int(routes.portion_piece[q])
-        first, _ = routes.portion_rows[q]
-        size = int(routes.portion_bytes[q])
-        rows = int(routes.portion_rows[q, 1] - first)
-        row_bytes = size // rows
-        offset = int(plan.piece_begin[piece] + (first - plan.piece_offset[piece, 0]) * row_bytes)
-        return int(plan.piece_file[piece]), offset, size, int(first)
-
-    def _send_portions(self, block: int) -> None:
-        routes = self.routes
-        writer = int(routes.block_writer[block])
-        for q in range(int(routes.portion_start[block]), int(routes.portion_start[block + 1])):
-            if routes.portion_reader[q] != self.comm.rank:
-                continue
-            source, offset, size, _ = self._portion(q)
-            if len(self.in_flight) == SEND_WINDOW:
-                request, slot = self.in_flight.popleft()
-                request.Wait()
-            else:
-                used = {slot for _, slot in self.in_flight}
-                slot = next(i for i in range(SEND_WINDOW) if i not in used)
-            buffer = _fit(self.outbox, slot, size)
-            self._guard(lambda: self.sources.read_into(source, offset, memoryview(buffer)))
-            self.in_flight.append((self.comm.Isend(buffer, dest=writer, tag=TAG), slot))
-
-    def _write_block(self, block: int) -> int:
-        plan, routes, me = self.plan, self.routes, self.comm.rank
-        t = int(routes.block_tensor[block])
-        tensor = plan.tensors[t]
-        target = self._target(t)
-        row_begin, row_end = (int(x) for x in routes.block_rows[block])
-        rows = row_end - row_begin
-        row_elements = int(np.prod(tensor.storage[1:], dtype=np.int64))
-        portions = range(int(routes.portion_start[block]), int(routes.portion_start[block + 1]))
-        total_in = sum(int(routes.portion_bytes[q]) for q in portions if routes.portion_reader[q] != me)
-        inbox = self.inbox if total_in <= len(self.inbox) else np.empty(total_in, dtype=np.uint8)
-        received, requests, position = {}, [], 0
-        for q in portions:
-            if routes.portion_reader[q] != me:
-                size = int(routes.portion_bytes[q])
-                received[q] = inbox[position : position + size]
-                requests.append(self.comm.Irecv(received[q], source=int(routes.portion_reader[q]), tag=TAG))
-                position += size
-        size_in = rows * row_elements * target.unit_in
-        block_buffer = self.block if size_in <= len(self.block) else np.empty(size_in, dtype=np.uint8)
-        assembled = block_buffer[:size_in].reshape((rows, *tensor.storage[1:], target.unit_in))
-
-        def place(q: int, chunk: np.ndarray) -> None:
-            piece = int(routes.portion_piece[q])
-            first, last = (int(x) for x in routes.portion_rows[q])
-            shape, offset = plan.piece_shape[piece], plan.piece_offset[piece]
-            region = (slice(first - row_begin, last - row_begin),) + tuple(
-                slice(int(o), int(o + s)) for o, s in zip(offset[1:], shape[1:])
-            )
-            assembled[region] = chunk.reshape((last - first, *(int(s) for s in shape[1:]), target.unit_in))
-
-        for q in portions:
-            if routes.portion_reader[q] == me:
-                source, offset, size, _ = self._portion(q)
-                chunk = self.scratch[:size] if size <= len(self.scratch) else np.empty(size, dtype=np.uint8)
-                self._guard(lambda: self.sources.read_into(source, offset, memoryview(chunk)))
-                if self.error is None:
-                    place(q, chunk)
+    def _write_block(self, block: Block) -> None:
+        runs = self.assembler.runs(block)
+        local, remote = self._local_and_remote(runs)
+        plans = [(holder, part_runs, coalesce(part_runs, self.block_bytes // 4)) for holder, part_runs in remote]
+        total = sum(reads.total for _, _, (reads, _) in plans)
+        inbox = self.inbox if total <= len(self.inbox) else np.empty(total, dtype=np.uint8)
+        requests, received, position = [], [], 0
+        for holder, part_runs, (reads, placed) in plans:
+            message = inbox[position : position + reads.total]
+            requests.append(self.comm.Irecv(message, source=holder, tag=TAG))
+            received.append((part_runs, placed, message))
+            position += reads.total
+        target = self.assembler.target(block, self._out(block.size))
+        self._guard(lambda: self.assembler.fill(local, target))
         MPI.Request.Waitall(requests)
-        for q, chunk in received.items():
-            if self.error is None:
-                place(q, chunk)
-        out = block_buffer[:size_in]
-        if target.dtypes is not None and self.error is None:
-            size_out = rows * row_elements * target.unit_out
-            converted = self.converted if size_out <= len(self.converted) else np.empty(size_out, dtype=np.uint8)
-            out = converted[:size_out]
-            convert(block_buffer[:size_in].view(target.dtypes[0]), out.view(target.dtypes[1]))
-        base = tensor.offset + row_begin * row_elements * target.unit_out
-        self._guard(lambda: self.output.write(target.file, base, memoryview(out)))  # type: ignore[union-attr]
-        self.on_bytes(len(out))
-        return len(out)
+        if self.error is None:
+            for part_runs, placed, message in received:
+                place(message, placed, target, part_runs)
+            data = self.assembler.finish(block, target, self.out)
+            self._guard(lambda: self.sink(block, data))
+        self.written += block.size
+        self.on_bytes(block.size)
 
+    def _out(self, size: int) -> np.ndarray:
+        if len(self.out) < size:
+            self.out = np.empty(size, dtype=np.uint8)
+        return self.out
 
-def _fit(pool: list[np.ndarray], slot: int, size: int) -> np.ndarray:
-    """A send buffer of ``size`` bytes from ``pool[slot]``, grown for a single row larger than a block."""
-    if size > len(pool[slot]):
-        pool[slot] = np.empty(size, dtype=np.uint8)
-    return pool[slot][:size]
+    def _copy(self, copy: Direct) -> None:
+        assert self.output is not None
+        self.output.copy(self.sources, copy.file, copy.src, copy.out, copy.offset, copy.length, self.out)
+        self.written += copy.length
+        self.on_bytes(copy.length)

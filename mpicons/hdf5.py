@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import InputError, WriteError
 from .format import DTYPE_BY_NAME
-from .plan import OutputFile, Plan
+from .plan import Layout, OutputFile
 
 HDF5_NAME = "model.h5"
 _RAW = {8: np.uint8, 16: np.uint16}
@@ -34,7 +34,7 @@ def dataset_path(name: str) -> str:
     return "/" + name.replace(".", "/")
 
 
-def check_names(plan: Plan) -> None:
+def check_names(plan: Layout) -> None:
     """Every tensor name must make a distinct HDF5 dataset path that no other dataset needs as a group.
 
     Checked before anything is written (pure): NUL characters, empty path components
@@ -65,7 +65,7 @@ def check_names(plan: Plan) -> None:
                 )
 
 
-def create_layout(path: str, plan: Plan) -> list[int]:
+def create_layout(path: str, plan: Layout) -> list[int]:
     """Create the HDF5 file at ``path`` and return each tensor's data offset in it (rank 0 only)."""
     try:
         import h5py
@@ -95,7 +95,7 @@ def create_layout(path: str, plan: Plan) -> list[int]:
     return offsets
 
 
-def retarget(plan: Plan, offsets: list[int], size: int) -> Plan:
+def retarget(plan: Layout, offsets: list[int], size: int) -> Layout:
     """The same plan, writing every tensor into one already laid-out file at the given offsets."""
     tensors = [replace(t, file=0, offset=offsets[i]) for i, t in enumerate(plan.tensors)]
     out = OutputFile(HDF5_NAME, b"", size, tuple(range(len(tensors))))

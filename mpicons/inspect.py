@@ -3,8 +3,8 @@
 :func:`inspect` runs the same scan and plan as a consolidation, so what it shows is what a
 consolidation would do: the tensors and their full shapes, the shard files, the output files and
 each rank's share of the bytes. ``ranks`` previews a bigger job from one process. A checkpoint
-the plan refuses (holes, overlaps, disagreeing pieces) is still described: the plan's error is
-reported and every tensor is checked on its own, so one run lists every broken tensor rather
+the plan refuses (holes, overlaps, disagreeing pieces) is still described: every problem is
+collected (each rank checks the rows it would own), so one run lists every broken tensor rather
 than only the first.
 """
 
@@ -12,25 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 from mpi4py import MPI
 
 from .consolidation import load_mapping
 from .errors import InputError
-from .format import DTYPES
-from .parallel import Comm, agree
-from .plan import SPLITS, Plan, build_plan, missing_shards, output_name
+from .options import Options
+from .parallel import Comm, agree, agree_on
+from .plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, build_layout, natural_key
+from .scan import distribute, scan
 from .stats import count_of as _count, human_bytes
-from .scan import DCP_SHARD_NAME, PieceTable, scan
+from .table import ShardFiles, missing_shards
 
 #: Width the table output is laid out for.
 WIDTH = 100
-#: File name given to a tensor when it is checked on its own (no real output file is involved).
-_CHECK_FILE = "check.safetensors"
 
 
 @dataclass(frozen=True)
@@ -119,7 +117,7 @@ class InspectReport:
     per_rank: list[RankInfo]
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    plan: Plan | None = None
+    layout: Layout | None = None
 
     @property
     def ok(self) -> bool:
@@ -166,7 +164,7 @@ class InspectReport:
                 "pieces": self.pieces,
                 "total_bytes": self.total_bytes,
                 "output_files": len(self.files),
-                "planned": self.plan is not None,
+                "planned": self.layout is not None,
                 "max_bytes_per_rank": max(self.bytes_per_rank) if self.per_rank else None,
                 "imbalance": self.imbalance,
                 "problems": len(self.problems),
@@ -198,213 +196,118 @@ class InspectReport:
 
 def inspect(
     input_dir: str | os.PathLike[str],
+    options: Options | None = None,
     *,
     comm: Comm | None = None,
     ranks: int | None = None,
-    mapping: str | os.PathLike[str] | Mapping[str, object] | None = None,
-    split: str = "bytes",
-    dtype: str | None = None,
-    max_shard_size: int | None = None,
+    **changes: Any,
 ) -> InspectReport:
     """Describe the sharded checkpoint in ``input_dir`` and what consolidating it on ``ranks`` ranks would do.
 
-    Collective over ``comm`` (default ``MPI.COMM_WORLD``): the headers are read once, split over the
-    ranks, and the report is the same on every rank. ``ranks`` (default ``comm.size``) is the job
-    size to plan for. Problems in the checkpoint are reported, not raised; :class:`InputError` is
-    raised (on every rank) only when the checkpoint cannot be read at all or the options are wrong.
+    Parameters:
+        input_dir: the shard files, as for :func:`~mpicons.consolidate`.
+        options: the consolidation's :class:`~mpicons.options.Options` (``mapping``, ``split``,
+            ``dtype`` and ``max_shard_size`` matter here); keyword arguments change single fields.
+        comm: the communicator (default ``MPI.COMM_WORLD``); collective, the headers are read once,
+            split over its ranks, and the report is the same on every rank.
+        ranks: the job size to plan for (default ``comm.size``): a preview of a bigger job.
+
+    Problems in the checkpoint are reported (every broken tensor, not only the first), not raised;
+    :class:`InputError` is raised on every rank only when the checkpoint cannot be read at all or
+    the options are wrong.
     """
     comm = MPI.COMM_WORLD if comm is None else comm
+    options = (options or Options()).with_changes(**changes)
     input_dir = os.fspath(input_dir)
     ranks = comm.size if ranks is None else ranks
     if type(ranks) is not int or ranks < 1:
         raise InputError(f"ranks must be a positive integer (got {ranks!r})")
-    if split not in SPLITS:
-        raise InputError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
-    names = agree(comm, lambda: load_mapping(mapping) if mapping is not None and comm.rank == 0 else None, root=0)
-    table = scan(input_dir, comm)
-    plan, error = agree(comm, lambda: _try_plan(table, ranks, names, split, dtype, max_shard_size))
-    tensor_problems: dict[int, str] = {}
-    if plan is None:
-        # Check every tensor on its own (split over the ranks) to list all broken ones, not just the first.
-        parts = agree(comm, lambda: _tensor_problems(table, range(comm.rank, len(table.names), comm.size)), gather=True)
-        for part in parts:
-            tensor_problems.update(part)
-    return describe(
-        input_dir,
-        table,
-        plan,
-        error,
-        tensor_problems,
-        ranks=ranks,
-        job_ranks=comm.size,
-        split=split,
-        mapping=names,
-        mapping_label=None if mapping is None or isinstance(mapping, Mapping) else os.fspath(mapping),
-    )
-
-
-def _try_plan(
-    table: PieceTable,
-    ranks: int,
-    mapping: Mapping[str, str] | None,
-    split: str,
-    dtype: str | None = None,
-    max_shard_size: int | None = None,
-) -> tuple[Plan | None, str | None]:
-    """The plan, or the reason there is none (the checkpoint's first problem)."""
-    try:
-        return build_plan(table, ranks, mapping=mapping, split=split, dtype=dtype, max_shard_size=max_shard_size), None
-    except InputError as exc:
-        return None, str(exc)
-
-
-def _tensor_table(table: PieceTable, t: int, rows: np.ndarray) -> PieceTable:
-    """A table holding only tensor ``t``'s pieces (file list unchanged, so errors name the real files)."""
-    changes: dict[str, object] = {"names": [table.names[t]]}
-    for item in dataclasses.fields(table):
-        if item.name.startswith("piece_"):
-            changes[item.name] = getattr(table, item.name)[rows]
-    changes["piece_tensor"] = np.zeros(len(rows), dtype=table.piece_tensor.dtype)
-    return dataclasses.replace(table, **changes)
-
-
-def _tensor_problems(table: PieceTable, tensors: range) -> dict[int, str]:
-    """Tensor id → the plan's error for that tensor alone (dtype/rank agreement, coverage, byte cuts).
-
-    Each tensor is planned by itself with a one-entry mapping, so checkpoint-wide matters (output
-    file assignment) stay out of it and are reported once, from the full plan.
-    """
-    order = np.argsort(table.piece_tensor, kind="stable")
-    starts = np.searchsorted(table.piece_tensor[order], np.arange(len(table.names) + 1))
-    problems = {}
-    for t in tensors:
-        sub = _tensor_table(table, t, order[starts[t] : starts[t + 1]])
-        try:
-            build_plan(sub, 1, mapping={table.names[t]: _CHECK_FILE}, split="files")
-        except InputError as exc:
-            problems[t] = str(exc)
-    return problems
+    options.check(comm.size)
+    mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
+    scanned = scan(input_dir, comm)
+    problems = Problems(strict=False)
+    layout = agree(comm, lambda: build_layout(
+        scanned.files, scanned.names, scanned.facts, comm.size, mapping=mapping, split=options.split,
+        dtype=options.dtype, max_shard_size=options.max_shard_size, problems=problems,
+    ))
+    part = distribute(comm, scanned, layout, problems)
+    file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
+    comm.Allreduce(MPI.IN_PLACE, file_pieces, op=MPI.SUM)
+    primary = RowOwners.of(layout).primary(part.pieces, comm.rank)
+    kept = np.bincount(part.pieces.tensor[primary], minlength=len(scanned.names)).astype(np.int64)
+    comm.Allreduce(MPI.IN_PLACE, kept, op=MPI.SUM)
+    label = None if options.mapping is None or isinstance(options.mapping, Mapping) else os.fspath(options.mapping)
+    return describe(input_dir, scanned.files, scanned.facts, layout, problems, file_pieces, kept,
+                    ranks=ranks, job_ranks=comm.size, split=options.split, mapping_label=label,
+                    mapped=mapping is not None)
 
 
 def describe(
     input_dir: str,
-    table: PieceTable,
-    plan: Plan | None,
-    error: str | None,
-    tensor_problems: Mapping[int, str],
+    files: ShardFiles,
+    facts: TensorFacts,
+    layout: Layout,
+    problems: Problems,
+    file_pieces: np.ndarray,
+    kept: np.ndarray,
     *,
     ranks: int,
     job_ranks: int = 1,
     split: str = "bytes",
-    mapping: Mapping[str, str] | None = None,
     mapping_label: str | None = None,
+    mapped: bool = False,
 ) -> InspectReport:
-    """The report from a scanned table and the plan (or its error); pure, the same on every rank."""
-    shards = _shards(table)
-    pieces = np.bincount(table.piece_tensor, minlength=len(table.names))
-    tensors: list[TensorInfo] = []
-    files: list[FileInfo] = []
+    """The report from the scan's facts, the layout and the problems found; pure, the same on every rank."""
+    planned = not problems
+    shards = [
+        ShardInfo(name, None if files.train_rank[f] < 0 else int(files.train_rank[f]),
+                  None if files.out_index[f] < 0 else int(files.out_index[f]),
+                  None if files.out_count[f] < 0 else int(files.out_count[f]), int(file_pieces[f]), int(files.size[f]))
+        for f, name in enumerate(files.names)
+    ]
+    tensors = [
+        TensorInfo(info.name, info.dtype, info.shape, int(facts.count[t]), layout.files[info.file].name, info.nbytes,
+                   int(kept[t]) if planned else None, problems.by_tensor.get(t))
+        for t, info in enumerate(layout.tensors)
+    ]
+    files_info = [FileInfo(out.name, len(out.tensors), sum(layout.tensors[t].nbytes for t in out.tensors), out.size if planned else None)
+                  for out in layout.files]
     per_rank: list[RankInfo] = []
-    if plan is not None:
-        copied = np.diff(plan.piece_start)
-        for t, info in enumerate(plan.tensors):
-            tensors.append(
-                TensorInfo(info.name, info.dtype, info.shape, int(pieces[t]), plan.files[info.file].name,
-                           info.nbytes, int(copied[t]))
-            )
-        for out in plan.files:
-            files.append(FileInfo(out.name, len(out.tensors), sum(plan.tensors[t].nbytes for t in out.tensors), out.size))
-        for rank, items in enumerate(plan.work):
-            work = tuple(
-                (plan.tensors[i.tensor].name, i.row_begin, i.row_end, plan.item_bytes(i)) for i in items
-            )
-            touched = sorted({plan.tensors[i.tensor].file for i in items})
-            per_rank.append(RankInfo(rank, sum(w[3] for w in work), tuple(plan.files[f].name for f in touched), work))
-    else:
-        tensors = _unplanned_tensors(table, pieces, mapping, tensor_problems)
-        by_file: dict[str, list[TensorInfo]] = {}
-        for info in tensors:
-            by_file.setdefault(info.file, []).append(info)
-        files = [FileInfo(name, len(group), sum(t.bytes for t in group), None) for name, group in sorted(by_file.items())]
-    problems = [Problem(table.names[t], tensor_problems[t]) for t in sorted(tensor_problems, key=lambda t: _natural_key(table.names[t]))]
-    if error is not None and error not in tensor_problems.values():
-        problems.insert(0, Problem(None, error))
-    tensors.sort(key=lambda info: _natural_key(info.name))
+    if planned:
+        for rank, items in enumerate(SPLITS[split](layout, ranks)):
+            work = tuple((layout.tensors[i.tensor].name, i.row_begin, i.row_end, layout.item_bytes(i)) for i in items)
+            touched = sorted({layout.tensors[i.tensor].file for i in items})
+            per_rank.append(RankInfo(rank, sum(w[3] for w in work), tuple(layout.files[f].name for f in touched), work))
+    listed = [Problem(None, message) for message in problems.general]
+    listed += [Problem(layout.tensors[t].name, problems.by_tensor[t])
+               for t in sorted(problems.by_tensor, key=lambda t: natural_key(layout.tensors[t].name))]
+    tensors.sort(key=lambda info: natural_key(info.name))
     return InspectReport(
         input_dir=input_dir,
         ranks=ranks,
         job_ranks=job_ranks,
         split=split,
-        mapping=mapping_label if mapping_label is not None else (None if mapping is None else "<mapping>"),
+        mapping=mapping_label if mapping_label is not None else ("<mapping>" if mapped else None),
         shards=shards,
         tensors=tensors,
-        files=files,
+        files=files_info,
         per_rank=per_rank,
-        problems=problems,
-        notes=_missing_shard_notes(table),
-        plan=plan,
+        problems=listed,
+        notes=_missing_shard_notes(files.names),
+        layout=layout if planned else None,
     )
 
 
-def _shards(table: PieceTable) -> list[ShardInfo]:
-    counts = np.bincount(table.piece_file, minlength=len(table.files))
-    result = []
-    for f, name in enumerate(table.files):
-        match = DCP_SHARD_NAME.match(name)
-        result.append(
-            ShardInfo(
-                name,
-                int(match.group(1)) if match else None,
-                int(match.group(2)) if match else None,
-                int(match.group(3)) if match else None,
-                int(counts[f]),
-                int(table.file_size[f]),
-            )
-        )
-    return result
-
-
-def _unplanned_tensors(
-    table: PieceTable, pieces: np.ndarray, mapping: Mapping[str, str] | None, tensor_problems: Mapping[int, str]
-) -> list[TensorInfo]:
-    """Best-effort tensor rows when the plan failed: shape as the plan computes it, file from the names."""
-    order = np.lexsort((table.piece_file, table.piece_tensor))
-    first = order[np.searchsorted(table.piece_tensor[order], np.arange(len(table.names)))]
-    extent = table.piece_offset + table.piece_shape
-    full = np.zeros((len(table.names), extent.shape[1]), dtype=np.int64)
-    np.maximum.at(full, table.piece_tensor, extent)
-    result = []
-    for t, name in enumerate(table.names):
-        p = int(first[t])
-        dtype = DTYPES[int(table.piece_dtype[p])]
-        shape = tuple(int(x) for x in full[t, : int(table.piece_ndim[p])])
-        f = int(table.piece_file[p])
-        if mapping is not None:
-            file_name = mapping.get(name, "?")
-        elif table.file_out_index[f] >= 0:
-            file_name = output_name(int(table.file_out_index[f]), int(table.file_out_count[f]))
-        else:
-            file_name = table.files[f]
-        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.bits // 8
-        result.append(TensorInfo(name, dtype.name, shape, int(pieces[t]), file_name, nbytes, None, tensor_problems.get(t)))
-    return result
-
-
-def _missing_shard_notes(table: PieceTable, show: int = 5) -> list[str]:
+def _missing_shard_notes(names: list[str], show: int = 5) -> list[str]:
     """Hints about absent shard files: every training rank usually writes one per output file."""
-    missing, expected, names = missing_shards(table.files, show)
+    missing, expected, shown = missing_shards(names, show)
     if not missing:
         return []
-    more = f" and {missing - len(names)} more" if missing > len(names) else ""
+    more = f" and {missing - len(shown)} more" if missing > len(shown) else ""
     return [
-        f"{missing} of {expected} expected shard files absent: {', '.join(names)}{more} "
+        f"{missing} of {expected} expected shard files absent: {', '.join(shown)}{more} "
         "(fine if those training ranks held none of the file's tensors)"
     ]
-
-
-def _natural_key(name: str) -> list[tuple[int, object]]:
-    """``layers.2`` before ``layers.10``."""
-    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name)]
 
 
 # ---------------------------------------------------------------- text rendering
@@ -472,7 +375,7 @@ def _render(report: InspectReport, limit: int) -> list[str]:
         f"in {_count(len(report.files), 'output file')}"
     )
     preview = f" (this run has {report.job_ranks})" if report.job_ranks != report.ranks else ""
-    if report.plan is not None:
+    if report.layout is not None:
         out.append(
             f"  plan     {_count(report.ranks, 'rank')}{preview}, split by {report.split}: up to "
             f"{_size(max(report.bytes_per_rank))} per rank, max/mean {report.imbalance:.2f}"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import errno
 import os
 from collections import OrderedDict
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -74,6 +74,24 @@ class SourceFiles:
             os.close(self._open.popitem()[1])
 
 
+class OutputBackend(Protocol):
+    """What the writers need of an output backend (posix and mpiio implement it)."""
+
+    name: str
+    #: Whether writes may be issued from background threads.
+    threaded: bool
+    #: Called before a handle is closed to make room (the writer drains its background I/O there).
+    before_close: Callable[[], None]
+
+    def create(self) -> None: ...
+    def open(self, file: int) -> None: ...
+    def write(self, file: int, offset: int, data: memoryview) -> None: ...
+    def copy(self, sources: "SourceFiles", src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray) -> None: ...
+    def sync(self) -> None: ...
+    def close(self) -> None: ...
+    def hints_in_effect(self) -> dict[str, str]: ...
+
+
 class _Output:
     """What both backends know: the outputs' paths, headers and final sizes."""
 
@@ -98,6 +116,7 @@ class PosixOutput(_Output):
     """Outputs written with pwrite / copy_file_range; the owner rank creates them, every rank writes."""
 
     name = "posix"
+    threaded = True
 
     def __init__(self, *args: object, owner: int = 0, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
@@ -218,6 +237,7 @@ class MpiioOutput(_Output):
     (at most ``MAX_OPEN_OUTPUTS`` at once)."""
 
     name = "mpiio"
+    threaded = False
 
     def __init__(self, *args: object, hints: Mapping[str, str] | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]

@@ -1,8 +1,15 @@
-"""The consolidation plan: pure and deterministic (no MPI, no I/O).
+"""The consolidation plan: pure and deterministic (no MPI, no I/O), in two levels.
 
-From the :class:`~mpicons.scan.PieceTable` every rank computes the same plan: the tensor
-table with full shapes, an exact coverage check, the output files' layout (reference header
-bytes and tensor offsets) and which rows of which tensor each rank writes.
+- The **layout** is per tensor, never per piece: from :class:`TensorFacts` (what the pieces say,
+  reduced element-wise over all of them, so any split of the pieces over ranks gives the same
+  facts) every rank computes the same tensor table, full shapes, output files, reference headers,
+  tensor offsets and work split (rows of tensors per rank). Its size is O(tensors + files).
+- A **part** is one rank's share of the pieces: the pieces that cross the rows it owns (routed to
+  it by the scan). The rank checks them (replicas kept once, coverage of its rows exact) and
+  writes from them. Memory per rank is its part, not the checkpoint.
+
+Geometry is in *storage units*: sub-byte dtypes (F4, F6) count their last dimension in bytes, so
+everything downstream moves whole bytes. Element units appear only in messages and shapes.
 """
 
 from __future__ import annotations
@@ -18,13 +25,19 @@ import numpy as np
 from .convert import converted_dtype
 from .errors import InputError
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
-from .scan import DCP_SHARD_NAME, PieceTable
+from .table import Pieces, ShardFiles, Table, missing_shards, shard_file_name  # noqa: F401 - re-exported
 
 #: What Hugging Face ``save_pretrained`` writes; transformers refuses files without it.
 OUTPUT_METADATA = {"format": "pt"}
 INDEX_NAME = "model.safetensors.index.json"
 #: Above this many grid cells a tensor's coverage is checked pairwise instead of on a grid.
 MAX_GRID_CELLS = 1 << 24
+_BITS = np.array([d.bits for d in DTYPES], dtype=np.int64)
+#: Keys combine a file id with a small value (dtype, rank, destination) so one MIN finds both.
+_KEY = 1 << 32
+
+
+# ---------------------------------------------------------------- tensors and files
 
 
 @dataclass(frozen=True)
@@ -56,12 +69,20 @@ class Tensor:
         return self.storage[0]
 
     @property
+    def row_units(self) -> int:
+        return int(np.prod(self.storage[1:], dtype=np.int64))
+
+    @property
     def row_bytes(self) -> int:
-        return int(np.prod(self.storage[1:], dtype=np.int64)) * self.unit
+        return self.row_units * self.unit
 
     @property
     def nbytes(self) -> int:
         return self.rows * self.row_bytes
+
+    @property
+    def converting(self) -> bool:
+        return self.source_dtype != self.dtype
 
 
 @dataclass(frozen=True)
@@ -82,21 +103,13 @@ class WorkItem:
 
 
 @dataclass
-class Plan:
-    """Everything the writers need; identical on every rank."""
+class Layout:
+    """Everything about the output, per tensor and per file; identical on every rank."""
 
     source_files: list[str]
     tensors: list[Tensor]
     files: list[OutputFile]
-    # Non-empty, de-duplicated pieces sorted by tensor; tensor t owns rows piece_start[t]:piece_start[t+1].
-    piece_start: np.ndarray
-    piece_file: np.ndarray
-    piece_begin: np.ndarray
-    piece_shape: np.ndarray  # storage units
-    piece_offset: np.ndarray  # storage units
     work: list[list[WorkItem]] = field(default_factory=list)
-    #: Pieces saved more than once (replicas kept once above); their bytes are compared before writing.
-    replicas: "Replicas | None" = None
 
     @property
     def total_bytes(self) -> int:
@@ -117,58 +130,111 @@ class Plan:
         return {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map().items()))}
 
 
-@dataclass(frozen=True)
-class Replicas:
-    """Every copy of every piece stored more than once (same tensor, offsets and shape), one row each.
+# ---------------------------------------------------------------- facts: what the pieces say, reduced
 
-    Rows with the same ``group`` must hold the same bytes; the plan keeps one copy of each group,
-    so a divergent replica would otherwise go unnoticed.
+
+@dataclass
+class TensorFacts:
+    """Per tensor, from all its pieces: combined element-wise with min / max / sum only, so the facts
+    of any split of the pieces over ranks combine (an Allreduce each) into the same result.
+
+    ``*_first`` keys are ``file · 2³² + value`` of the piece in the lowest-numbered file (one MIN
+    gives both); ``*_odd`` the same for the lowest file whose value differs from that (needs the
+    first round), -1 when all agree.
     """
 
-    group: np.ndarray  # int64[R]
-    file: np.ndarray  # int32[R]
-    begin: np.ndarray  # int64[R], absolute byte offset in the file
-    nbytes: np.ndarray  # int64[R]
-    tensor: np.ndarray  # int32[R]
-    ndim: np.ndarray  # int8[R]
-    offset: np.ndarray  # int64[R, D], elements
-    shape: np.ndarray  # int64[R, D], elements
+    count: np.ndarray  # int64[T]: header entries, empty ones included
+    extent: np.ndarray  # int64[T, D]: max(offset + shape), storage units
+    volume: np.ndarray  # float64[T]: storage units of non-empty pieces (replicas counted each time)
+    misaligned: np.ndarray  # int64[T]: 1 when a sub-byte piece is not cut on a byte boundary
+    dtype_first: np.ndarray  # int64[T]
+    ndim_first: np.ndarray  # int64[T]
+    dest_first: np.ndarray  # int64[T]
+    dtype_odd: np.ndarray | None = None
+    ndim_odd: np.ndarray | None = None
+    dest_odd: np.ndarray | None = None
+
+    SUM = ("count", "volume")
+    MAX = ("extent", "misaligned")
+    MIN = ("dtype_first", "ndim_first", "dest_first")
+    ODD = ("dtype_odd", "ndim_odd", "dest_odd")
 
     @property
-    def total_bytes(self) -> int:
-        return int(self.nbytes.sum())
+    def num_tensors(self) -> int:
+        return len(self.count)
+
+    def needs_odd(self) -> bool:
+        return self.dtype_odd is None
 
 
-def _replicas(
-    first_copy: np.ndarray,
-    tensor: np.ndarray,
-    dtypes: np.ndarray,
-    ndim: np.ndarray,
-    shape: np.ndarray,
-    offset: np.ndarray,
-    files: np.ndarray,
-    begin: np.ndarray,
-) -> Replicas | None:
-    """The non-empty pieces that have an identical twin, grouped by the copy the plan keeps."""
-    twins = np.flatnonzero(first_copy != np.arange(len(first_copy)))
-    if not len(twins):
-        return None
-    rows = np.unique(np.concatenate([twins, first_copy[twins]]))
-    bits = np.array([d.bits for d in DTYPES], dtype=np.int64)[dtypes[rows]]
-    nbytes = np.prod(shape[rows], axis=1) * bits // 8
-    rows, nbytes = rows[nbytes > 0], nbytes[nbytes > 0]
-    if not len(rows):
-        return None
-    return Replicas(
-        group=first_copy[rows].astype(np.int64),
-        file=files[rows],
-        begin=begin[rows],
-        nbytes=nbytes,
-        tensor=tensor[rows],
-        ndim=ndim[rows],
-        offset=offset[rows],
-        shape=shape[rows],
+def piece_destinations(files: ShardFiles) -> np.ndarray:
+    """Per file, where its pieces go by name: the DCP output index, or (plain files) the file itself."""
+    if (files.out_index >= 0).any():
+        return files.out_index.astype(np.int64)
+    return np.arange(len(files), dtype=np.int64)
+
+
+def _keys(pieces: Pieces, values: np.ndarray) -> np.ndarray:
+    return pieces.file.astype(np.int64) * _KEY + values.astype(np.int64)
+
+
+def local_facts(
+    pieces: Pieces, num_tensors: int, width: int, destinations: np.ndarray, misaligned: np.ndarray | None = None
+) -> TensorFacts:
+    """This part's facts (the first round: everything but the ``*_odd`` keys)."""
+    t = pieces.tensor
+    flags = np.zeros(num_tensors, dtype=np.int64)
+    if misaligned is not None and misaligned.any():
+        np.maximum.at(flags, t, misaligned.astype(np.int64))
+    extent = np.zeros((num_tensors, width), dtype=np.int64)
+    if len(pieces):
+        np.maximum.at(extent, t, pieces.offset + pieces.shape)
+    nonempty = ~(pieces.shape == 0).any(axis=1)
+    volume = np.bincount(t, weights=np.where(nonempty, np.prod(pieces.shape.astype(np.float64), axis=1), 0.0), minlength=num_tensors)
+    firsts = []
+    for values in (pieces.dtype, pieces.ndim, destinations[pieces.file]):
+        first = np.full(num_tensors, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(first, t, _keys(pieces, values))
+        firsts.append(first)
+    return TensorFacts(
+        count=np.bincount(t, minlength=num_tensors).astype(np.int64),
+        extent=extent,
+        volume=volume,
+        misaligned=flags,
+        dtype_first=firsts[0],
+        ndim_first=firsts[1],
+        dest_first=firsts[2],
     )
+
+
+def local_odd(pieces: Pieces, facts: TensorFacts, destinations: np.ndarray) -> list[np.ndarray]:
+    """The second round: per tensor, the lowest (file, value) key whose value differs from the first's."""
+    t = pieces.tensor
+    result = []
+    for values, first in ((pieces.dtype, facts.dtype_first), (pieces.ndim, facts.ndim_first),
+                          (destinations[pieces.file], facts.dest_first)):
+        odd = np.full(facts.num_tensors, np.iinfo(np.int64).max, dtype=np.int64)
+        differs = values.astype(np.int64) != first[t] % _KEY
+        np.minimum.at(odd, t[differs], _keys(pieces, values)[differs])
+        result.append(odd)
+    return result
+
+
+def combine_facts(parts: Sequence[TensorFacts]) -> TensorFacts:
+    """What an Allreduce does, in one process (tests, previews)."""
+    out = replace(parts[0])
+    for name in TensorFacts.SUM:
+        setattr(out, name, sum(getattr(p, name) for p in parts))
+    for name in TensorFacts.MAX:
+        setattr(out, name, np.maximum.reduce([getattr(p, name) for p in parts]))
+    for name in TensorFacts.MIN:
+        setattr(out, name, np.minimum.reduce([getattr(p, name) for p in parts]))
+    return out
+
+
+def set_odd(facts: TensorFacts, odd: Sequence[np.ndarray]) -> None:
+    big = np.iinfo(np.int64).max
+    facts.dtype_odd, facts.ndim_odd, facts.dest_odd = (np.where(o == big, -1, o) for o in odd)
 
 
 # ---------------------------------------------------------------- mapping
@@ -182,16 +248,22 @@ class FileMapping(dict):  # type: ignore[type-arg]  # dict[str, str]
         self.source = source
 
 
+def plain_file_name(name: object) -> bool:
+    """A file name that stays inside its directory: not empty, not ``.``/``..``, no separators or NUL."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
+
+
 def parse_mapping(obj: object, source: str = "mapping") -> dict[str, str]:
     """Tensor name → output file name, from torch's ``fqn_to_index_mapping`` or an HF index.
 
     ``{name: index}`` names files ``model-IIIII-of-NNNNN.safetensors`` with NNNNN the largest index;
-    ``{"weight_map": {name: file}}`` names them directly (plain names only, no directories).
+    ``{"weight_map": {name: file}}`` names them directly (plain names only, no directories, not
+    hidden — mpicons' own files are — and not the index).
     """
     if isinstance(obj, dict) and isinstance(obj.get("weight_map"), dict):
         result = {}
         for name, file_name in obj["weight_map"].items():
-            if not isinstance(file_name, str) or not _plain_file_name(file_name):
+            if not plain_file_name(file_name) or file_name.startswith(".") or file_name == INDEX_NAME:
                 raise InputError(f"{source}: tensor {name!r} maps to {file_name!r}, which is not a plain file name")
             result[name] = file_name
         return FileMapping(result, source)
@@ -203,484 +275,152 @@ def parse_mapping(obj: object, source: str = "mapping") -> dict[str, str]:
     raise InputError(f"{source}: expected {{tensor: file index}} or a model.safetensors.index.json with a weight_map")
 
 
-def _plain_file_name(name: str) -> bool:
-    """A name inside the output directory that is neither hidden (temporary outputs are) nor the index."""
-    return (
-        bool(name)
-        and not name.startswith(".")
-        and name != INDEX_NAME
-        and "/" not in name
-        and "\\" not in name
-        and "\0" not in name
-    )
-
-
 def output_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-# ---------------------------------------------------------------- plan
+def natural_key(name: str) -> list[tuple[int, int | str]]:
+    """``layers.2`` before ``layers.10``: the order modules are usually defined in."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name)]
 
 
-def build_plan(
-    table: PieceTable,
-    ranks: int,
-    *,
-    mapping: Mapping[str, str] | None = None,
-    split: str = "bytes",
-    dtype: str | None = None,
-    max_shard_size: int | None = None,
-) -> Plan:
-    """The full plan for ``ranks`` writers; raises InputError naming the tensor and files on bad input.
-
-    ``dtype`` (``bf16``/``fp16``/``fp32``) converts floating-point tensors; ``max_shard_size`` (bytes)
-    re-shards the output the way Hugging Face does instead of following the shard names.
-    """
-    if mapping is not None and max_shard_size is not None:
-        raise InputError("--mapping and --max-shard-size both decide the output files: give one")
-    if table.num_pieces == 0:
-        raise InputError("the checkpoint holds no tensors")
-    _check_files(table, mapping)
-    # By tensor, then file: the same order (and the same replica kept) whatever the number of scanning ranks.
-    order = np.lexsort((table.piece_file, table.piece_tensor))
-    tensor = table.piece_tensor[order]
-    dtypes = table.piece_dtype[order]
-    ndim = table.piece_ndim[order]
-    shape = table.piece_shape[order]
-    offset = table.piece_offset[order]
-    files = table.piece_file[order]
-    begin = table.piece_begin[order]
-    num_tensors = len(table.names)
-    starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
-    first = starts[:-1]
-
-    _check_agreement(table, "dtype", dtypes, tensor, first, files, lambda v: DTYPES[v].name)
-    _check_agreement(table, "number of dimensions", ndim, tensor, first, files, int)
-
-    # Identical replicas (same tensor, offsets and shape) count once: keep the first file's copy.
-    # Only tensors whose pieces hold more elements than the tensor can have any: sort just those.
-    full = np.maximum.reduceat(offset + shape, first, axis=0)
-    with np.errstate(over="ignore"):
-        volume = np.where((shape == 0).any(axis=1), 0, np.prod(shape, axis=1))
-        suspect = np.add.reduceat(volume, first) > np.prod(full, axis=1)
-    rows = np.flatnonzero(suspect[tensor])
-    first_copy = np.arange(len(tensor))
-    replicas = None
-    if len(rows):
-        keys = np.concatenate([tensor[rows, None].astype(np.int64), offset[rows], shape[rows]], axis=1)
-        first_copy[rows] = rows[_first_identical_row(keys)]
-        _check_copied_files(table, tensor, ndim, shape, offset, files, first_copy)
-        replicas = _replicas(first_copy, tensor, dtypes, ndim, shape, offset, files, begin)
-        keep = np.flatnonzero(first_copy == np.arange(len(first_copy)))
-        tensor, dtypes, ndim, shape, offset, files, begin = (
-            a[keep] for a in (tensor, dtypes, ndim, shape, offset, files, begin)
-        )
-        starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
-        first = starts[:-1]
-
-    empty_piece = (shape == 0).any(axis=1)
-    # A tensor whose every piece is empty has size 0 along some dimension; reduceat gave that.
-    tensors = []
-    for t in range(num_tensors):
-        rank = int(ndim[first[t]])
-        tensors.append(
-            Tensor(
-                name=table.names[t],
-                dtype=DTYPES[int(dtypes[first[t]])].name,
-                shape=tuple(int(x) for x in full[t, :rank]),
-                storage=tuple(int(x) for x in full[t]),
-                unit=0,
-            )
-        )
-    try:
-        _check_coverage(table, tensors, full, starts, shape, offset, files, empty_piece)
-    except InputError as exc:
-        missing, _, names = missing_shards(table.files)
-        if missing:
-            more = f" (and {missing - len(names)} more)" if missing > len(names) else ""
-            raise InputError(f"{exc}; shard files missing from the set (seen by no rank): {', '.join(names)}{more}") from None
-        raise
-    tensors, shape, offset = _to_storage_units(table, tensors, tensor, shape, offset, files)
-    tensors = [_converted(t, dtype) for t in tensors]
-
-    if empty_piece.any():
-        nonempty = ~empty_piece
-        tensor, shape, offset, files, begin = (a[nonempty] for a in (tensor, shape, offset, files, begin))
-        starts = np.searchsorted(tensor, np.arange(num_tensors + 1))
-
-    assignment = _assign_files(table, tensors, mapping, table.piece_tensor, table.piece_file)
-    if max_shard_size is not None:
-        assignment = _pack_shards(tensors, assignment, max_shard_size)
-    tensors, out_files = _layout(tensors, assignment)
-    plan = Plan(
-        source_files=list(table.files),
-        tensors=tensors,
-        files=out_files,
-        piece_start=starts,
-        piece_file=files,
-        piece_begin=begin,
-        piece_shape=shape,
-        piece_offset=offset,
-        replicas=replicas,
-    )
-    try:
-        policy = SPLITS[split]
-    except KeyError:
-        raise InputError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})") from None
-    plan.work = policy(plan, ranks)
-    return plan
+# ---------------------------------------------------------------- the layout
 
 
-def _check_files(table: PieceTable, mapping: Mapping[str, str] | None) -> None:
-    """File-level consistency, checked before any tensor so that a stray file is named as such."""
-    dcp = table.file_is_dcp
-    if dcp.any() and not dcp.all():
-        stray = table.files[int(np.argmin(dcp))]
-        raise InputError(f"{stray}: not a DCP shard: its header has no DCP_SHARDING_INFO, unlike the other shard files")
-    named = table.file_out_index >= 0
-    if mapping is not None or not named.any():
-        return  # file names do not decide the output
-    if not named.all():
-        stray = table.files[int(np.argmin(named))]
-        raise InputError(
-            f"{stray}: not named like a DCP shard (shard-RRRRR-model-IIIII-of-NNNNN.safetensors) among DCP shards, "
-            "so its output file is unknown (rename it or give --mapping)"
-        )
-    count, index = table.file_out_count, table.file_out_index
-    odd = np.nonzero(count != count[0])[0]
-    if len(odd):
-        f = int(odd[0])
-        raise InputError(f"{table.files[f]}: names {count[f]} output files but {table.files[0]} names {count[0]}")
-    outside = np.nonzero((index < 1) | (index > count))[0]
-    if len(outside):
-        f = int(outside[0])
-        raise InputError(f"{table.files[f]}: output file index {index[f]} is outside 1..{count[f]}")
+class Problems:
+    """Problems found while planning: raised at the first (``strict``) or collected (``inspect``)."""
 
+    def __init__(self, strict: bool) -> None:
+        self.strict = strict
+        self.general: list[str] = []  # checkpoint-wide
+        self.by_tensor: dict[int, str] = {}
 
-def _check_copied_files(
-    table: PieceTable,
-    tensor: np.ndarray,
-    ndim: np.ndarray,
-    shape: np.ndarray,
-    offset: np.ndarray,
-    files: np.ndarray,
-    original: np.ndarray,
-) -> None:
-    """A shard file whose every non-empty piece repeats one of another file is a copy, not a rank's share.
+    def add(self, message: str, tensor: int | None = None) -> None:
+        if self.strict:
+            raise InputError(message)
+        if tensor is None:
+            self.general.append(message)
+        else:
+            self.by_tensor.setdefault(tensor, message)
 
-    ``original[i]`` is the first piece identical to piece ``i`` (pieces are in file order). torch
-    writes replicated tensors once, so a file of nothing but repeats was saved twice (e.g. under
-    another rank number), which can hide the loss of the file it replaced.
-    """
-    real = ~(shape == 0).any(axis=1)
-    repeat = real & (original != np.arange(len(original)))
-    held = np.bincount(files, weights=real, minlength=len(table.files))
-    repeated = np.bincount(files, weights=repeat, minlength=len(table.files))
-    copies = np.nonzero((held > 0) & (repeated == held))[0]
-    if len(copies):
-        f = int(copies[0])
-        i = int(np.nonzero((files == f) & real)[0][0])
-        j = int(original[i])
-        raise InputError(
-            f"{table.files[f]}: every piece in it duplicates a piece of another shard file (tensor "
-            f"{table.names[tensor[i]]!r} at {_region(offset[i], offset[i] + shape[i], int(ndim[i]))} is also in "
-            f"{table.files[files[j]]}); is it a copy saved under another name?"
-        )
-
-
-def _first_identical_row(keys: np.ndarray) -> np.ndarray:
-    """For every row of ``keys``, the index of the first row equal to it (a stable lexsort; no Python loop)."""
-    order = np.lexsort(keys.T[::-1])
-    ordered = keys[order]
-    starts_group = np.ones(len(keys), dtype=bool)
-    starts_group[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
-    group = np.cumsum(starts_group) - 1
-    first = np.empty(len(keys), dtype=np.int64)
-    first[order] = order[starts_group][group]
-    return first
-
-
-def _sorted_unique(values: np.ndarray) -> np.ndarray:
-    values = np.sort(values)
-    return values[np.concatenate(([True], values[1:] != values[:-1]))]
-
-
-def missing_shards(files: Sequence[str], show: int = 3) -> tuple[int, int, list[str]]:
-    """Absent DCP shard files: (how many, how many the present names imply, the first ``show`` names).
-
-    The present names span a grid of training ranks × output files; a training rank with no piece
-    of some output file writes no file for it, so this is only a hint, and a missing *last* rank
-    cannot be seen at all. Costs what exists (the names present), never what the names imply: a
-    rank number of 10⁹ in one name does not make 10⁹ names.
-    """
-    parsed = {(int(m.group(1)), int(m.group(2)), int(m.group(3))) for m in map(DCP_SHARD_NAME.match, files) if m}
-    counts = {count for _, _, count in parsed}
-    if not parsed or len(counts) != 1:
-        return 0, 0, []
-    count = counts.pop()
-    by_rank: dict[int, set[int]] = {}
-    for rank, index, _ in parsed:
-        by_rank.setdefault(rank, set()).add(index)
-    low, top = (1 if min(by_rank) >= 1 else 0), max(by_rank)
-    expected = (top - low + 1) * count
-    missing = expected - len(parsed)
-    names: list[str] = []
-    previous = low - 1
-    for rank in sorted(by_rank):
-        for absent in range(previous + 1, min(rank, previous + 1 + show)):  # ranks with no file at all
-            names += [shard_file_name(absent, i, count) for i in range(1, min(count, show) + 1)]
-        index = 1
-        while len(names) < show and index <= count:
-            if index not in by_rank[rank]:
-                names.append(shard_file_name(rank, index, count))
-            index += 1
-            if index > len(by_rank[rank]) + show:
-                break
-        previous = rank
-        if len(names) >= show:
-            break
-    return missing, expected, names[:show]
-
-
-def shard_file_name(rank: int, index: int, count: int) -> str:
-    """The name torch's HuggingFaceStorageWriter gives training rank ``rank``'s part of output file ``index``."""
-    return f"shard-{rank:05d}-model-{index:05d}-of-{count:05d}.safetensors"
-
-
-def _check_agreement(
-    table: PieceTable,
-    what: str,
-    values: np.ndarray,
-    tensor: np.ndarray,
-    first: np.ndarray,
-    files: np.ndarray,
-    show: Callable[[int], object],
-) -> None:
-    bad = np.nonzero(values != values[first[tensor]])[0]
-    if len(bad):
-        i = bad[0]
-        j = first[tensor[i]]
-        raise InputError(
-            f"tensor {table.names[tensor[i]]!r}: pieces disagree on {what}: {show(int(values[j]))} in "
-            f"{table.files[files[j]]} but {show(int(values[i]))} in {table.files[files[i]]}"
-        )
+    def __bool__(self) -> bool:
+        return bool(self.general or self.by_tensor)
 
 
 def _region(low: Sequence[int], high: Sequence[int], rank: int) -> str:
     return "[" + ", ".join(f"{int(a)}:{int(b)}" for a, b in zip(low[:rank], high[:rank])) + "]"
 
 
-def _check_coverage(
-    table: PieceTable,
-    tensors: list[Tensor],
-    full: np.ndarray,
-    starts: np.ndarray,
-    shape: np.ndarray,
-    offset: np.ndarray,
-    files: np.ndarray,
-    empty_piece: np.ndarray,
-) -> None:
-    """Every element of every tensor covered exactly once, else an error naming the region and files."""
-    volume = np.where(empty_piece, 0, np.prod(shape, axis=1))
-    covered = np.add.reduceat(volume, starts[:-1])
-    # Offsets far past the data would overflow int64 element counts; no file holds 2**62 elements, so: a hole.
-    huge = np.nonzero(np.prod(full.astype(np.float64), axis=1) >= 2.0**62)[0]
-    if len(huge):
-        t = int(huge[0])
-        raise InputError(
-            f"tensor {tensors[t].name!r} (shape {list(tensors[t].shape)}): hole: pieces cover {int(covered[t])} "
-            f"of {math.prod(tensors[t].shape)} elements"
+def check_files(files: ShardFiles, mapping: Mapping[str, str] | None, problems: Problems) -> None:
+    """File-level consistency, checked before any tensor so that a stray file is named as such."""
+    dcp = files.is_dcp
+    if dcp.any() and not dcp.all():
+        stray = files.names[int(np.argmin(dcp))]
+        problems.add(f"{stray}: not a DCP shard: its header has no DCP_SHARDING_INFO, unlike the other shard files")
+        return
+    named = files.out_index >= 0
+    if mapping is not None or not named.any():
+        return  # file names do not decide the output
+    if not named.all():
+        stray = files.names[int(np.argmin(named))]
+        problems.add(
+            f"{stray}: not named like a DCP shard (shard-RRRRR-model-IIIII-of-NNNNN.safetensors) among DCP shards, "
+            "so its output file is unknown (rename it or give --mapping)"
         )
-    expected = np.prod(full, axis=1)
-    # Fast path: one piece that is the whole tensor.
-    count = np.diff(starts)
-    trivial = (count == 1) & (covered == expected)
-    for t in np.nonzero(~trivial)[0]:
-        lo, hi = starts[t], starts[t + 1]
-        keep = ~empty_piece[lo:hi]
-        _check_one(
-            table,
-            tensors[t],
-            full[t],
-            offset[lo:hi][keep],
-            shape[lo:hi][keep],
-            files[lo:hi][keep],
-            int(covered[t]),
-            int(expected[t]),
-        )
-
-
-def _check_one(
-    table: PieceTable,
-    tensor: Tensor,
-    full: np.ndarray,
-    offset: np.ndarray,
-    shape: np.ndarray,
-    files: np.ndarray,
-    covered: int,
-    expected: int,
-) -> None:
-    rank = max(1, len(tensor.shape))
-    if expected == 0:
         return
-    where = f"tensor {tensor.name!r} (shape {list(tensor.shape)})"
-    if len(offset) == 0:
-        raise InputError(f"{where}: no piece holds any data")
-    end = offset + shape
-    cuts = [_sorted_unique(np.concatenate(([0, full[d]], offset[:, d], end[:, d]))) for d in range(rank)]
-    grid = [len(c) - 1 for c in cuts]
-    if int(np.prod(grid, dtype=np.int64)) > MAX_GRID_CELLS:
-        _check_pairwise(table, where, offset, shape, files, covered, expected, rank)
+    count, index = files.out_count, files.out_index
+    odd = np.nonzero(count != count[0])[0]
+    if len(odd):
+        f = int(odd[0])
+        problems.add(f"{files.names[f]}: names {count[f]} output files but {files.names[0]} names {count[0]}")
         return
-    low = np.stack([np.searchsorted(cuts[d], offset[:, d]) for d in range(rank)], axis=1)
-    high = np.stack([np.searchsorted(cuts[d], end[:, d]) for d in range(rank)], axis=1)
-    # +1/-1 at the 2^rank corners of every piece's cell box, summed by bincount (np.add.at is slow).
-    dims = [g + 1 for g in grid]
-    corners = list(itertools.product((0, 1), repeat=rank))
-    flat = np.concatenate(
-        [np.ravel_multi_index(tuple(np.where(c[d], high[:, d], low[:, d]) for d in range(rank)), dims) for c in corners]
-    )
-    signs = np.repeat([-1 if sum(c) % 2 else 1 for c in corners], len(low))
-    diff = np.bincount(flat, weights=signs, minlength=int(np.prod(dims))).astype(np.int64).reshape(dims)
-    for d in range(rank):
-        diff = np.cumsum(diff, axis=d)
-    counts = diff[tuple(slice(0, g) for g in grid)]
-    bad = np.argwhere(counts != 1)
-    if len(bad) == 0:
-        return
-    cell = bad[0]
-    region = _region([cuts[d][cell[d]] for d in range(rank)], [cuts[d][cell[d] + 1] for d in range(rank)], rank)
-    if counts[tuple(cell)] == 0:
-        raise InputError(f"{where}: hole: no piece covers region {region} ({expected - covered} elements missing overall)")
-    inside = np.all((low <= cell) & (cell < high), axis=1)
-    holders = ", ".join(
-        f"{table.files[f]} at {_region(o, o + s, rank)}" for f, o, s in zip(files[inside], offset[inside], shape[inside])
-    )
-    raise InputError(f"{where}: overlap: region {region} is covered by {int(inside.sum())} pieces: {holders}")
+    outside = np.nonzero((index < 1) | (index > count))[0]
+    if len(outside):
+        f = int(outside[0])
+        problems.add(f"{files.names[f]}: output file index {index[f]} is outside 1..{count[f]}")
 
 
-def _check_pairwise(
-    table: PieceTable,
-    where: str,
-    offset: np.ndarray,
-    shape: np.ndarray,
-    files: np.ndarray,
-    covered: int,
-    expected: int,
-    rank: int,
-) -> None:
-    """Overlap check for irregular tilings too fine for a grid: blockwise pairwise box tests."""
-    end = offset + shape
-    block = 512
-    for i0 in range(0, len(offset), block):
-        a_lo, a_hi = offset[i0 : i0 + block, None, :rank], end[i0 : i0 + block, None, :rank]
-        hit = np.all((a_lo < end[None, :, :rank]) & (offset[None, :, :rank] < a_hi), axis=2)
-        hit[np.arange(hit.shape[0]), np.arange(i0, i0 + hit.shape[0])] = False
-        pairs = np.argwhere(hit)
-        if len(pairs):
-            i, j = i0 + pairs[0][0], pairs[0][1]
-            raise InputError(
-                f"{where}: overlap: piece {_region(offset[i], end[i], rank)} in {table.files[files[i]]} overlaps "
-                f"piece {_region(offset[j], end[j], rank)} in {table.files[files[j]]}"
+def _agreement(files: ShardFiles, names: list[str], facts: TensorFacts, problems: Problems) -> set[int]:
+    """Tensors whose pieces disagree on dtype or rank (each reported once)."""
+    broken: set[int] = set()
+    for what, first, odd, show in (
+        ("dtype", facts.dtype_first, facts.dtype_odd, lambda v: DTYPES[v].name),
+        ("number of dimensions", facts.ndim_first, facts.ndim_odd, int),
+    ):
+        assert odd is not None
+        for t in np.flatnonzero(odd >= 0):
+            if int(t) in broken:
+                continue
+            broken.add(int(t))
+            (f1, v1), (f2, v2) = divmod(int(first[t]), _KEY), divmod(int(odd[t]), _KEY)
+            problems.add(
+                f"tensor {names[t]!r}: pieces disagree on {what}: {show(v1)} in {files.names[f1]} but {show(v2)} in {files.names[f2]}",
+                int(t),
             )
-    if covered != expected:
-        raise InputError(f"{where}: hole: pieces cover {covered} of {expected} elements")
+    return broken
 
 
-def _to_storage_units(
-    table: PieceTable,
-    tensors: list[Tensor],
-    tensor: np.ndarray,
-    shape: np.ndarray,
-    offset: np.ndarray,
-    files: np.ndarray,
-) -> tuple[list[Tensor], np.ndarray, np.ndarray]:
-    """Express geometry in whole bytes: sub-byte dtypes count their last dimension in bytes."""
-    shape, offset = shape.copy(), offset.copy()
-    result = []
-    for t, info in enumerate(tensors):
-        bits = DTYPE_BY_NAME[info.dtype].bits
-        if bits % 8 == 0:
-            result.append(replace(info, unit=bits // 8, source_unit=bits // 8))
+def tensor_table(files: ShardFiles, names: list[str], facts: TensorFacts, problems: Problems) -> list[Tensor]:
+    """The full tensors (dtype of the first piece, full shape = max extent) and their tensor-level problems."""
+    broken = _agreement(files, names, facts, problems)
+    dtype = (facts.dtype_first % _KEY).astype(np.int64)
+    ndim = (facts.ndim_first % _KEY).astype(np.int64)
+    tensors = []
+    for t, name in enumerate(names):
+        kind = DTYPES[int(dtype[t])]
+        storage = tuple(int(x) for x in facts.extent[t])
+        rank = int(ndim[t])
+        shape = list(storage[:rank])
+        unit = kind.bits // 8 if kind.bits % 8 == 0 else 1
+        if kind.bits % 8 and rank:
+            shape[-1] = storage[rank - 1] * 8 // kind.bits
+        tensors.append(Tensor(name, kind.name, tuple(shape), storage, unit))
+        if t in broken:
             continue
-        last = len(info.shape) - 1
-        rows = np.nonzero(tensor == t)[0]
-        values = np.concatenate(([info.storage[last]], shape[rows, last], offset[rows, last])) * bits
-        if last < 0 or np.any(values % 8):
-            raise InputError(
-                f"tensor {info.name!r}: {info.dtype} pieces are not cut on byte boundaries of the last dimension"
+        if facts.misaligned[t]:
+            problems.add(f"tensor {name!r}: {kind.name} pieces are not cut on byte boundaries of the last dimension", t)
+        elif math.prod(float(x) for x in storage) >= 2.0**62:
+            problems.add(
+                f"tensor {name!r} (shape {list(tensors[t].shape)}): hole: pieces cover {int(facts.volume[t])} "
+                f"of {math.prod(tensors[t].shape)} elements", t,
             )
-        shape[rows, last] = shape[rows, last] * bits // 8
-        offset[rows, last] = offset[rows, last] * bits // 8
-        storage = list(info.storage)
-        storage[last] = storage[last] * bits // 8
-        result.append(replace(info, storage=tuple(storage), unit=1, source_unit=1))
-    return result, shape, offset
+    return tensors
 
 
 def _assign_files(
-    table: PieceTable,
-    tensors: list[Tensor],
-    mapping: Mapping[str, str] | None,
-    piece_tensor: np.ndarray,
-    piece_file: np.ndarray,
+    files: ShardFiles, tensors: list[Tensor], facts: TensorFacts, mapping: Mapping[str, str] | None, problems: Problems
 ) -> list[str]:
-    """Output file name of each tensor: from the mapping, or from the DCP shard names."""
+    """Output file name of each tensor: from the mapping, or from the shard names (plain files: their own)."""
     names = [t.name for t in tensors]
     if mapping is not None:
         source = getattr(mapping, "source", "mapping")
         missing = sorted(set(names) - set(mapping))
         if missing:
-            raise InputError(
-                f"{source}: no entry for tensor {missing[0]!r}" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-            )
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            problems.add(f"{source}: no entry for tensor {missing[0]!r}{more}")
         extra = sorted(set(mapping) - set(names))
         if extra:
-            raise InputError(
-                f"{source}: names tensor {extra[0]!r}, which the checkpoint does not hold"
-                + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+            more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+            problems.add(f"{source}: names tensor {extra[0]!r}, which the checkpoint does not hold{more}")
+        return [mapping.get(n, "?") for n in names]
+    named = bool((files.out_index >= 0).any())
+    count = int(files.out_count.max()) if named else 0
+
+    def name_of(file: int, dest: int) -> str:
+        return output_name(dest, count) if named else files.names[file]
+
+    assert facts.dest_odd is not None
+    result = []
+    for t, name in enumerate(names):
+        f1, d1 = divmod(int(facts.dest_first[t]), _KEY)
+        result.append(name_of(f1, d1))
+        if facts.dest_odd[t] >= 0:
+            f2, d2 = divmod(int(facts.dest_odd[t]), _KEY)
+            problems.add(
+                f"tensor {name!r} has pieces destined for {name_of(f1, d1)} ({files.names[f1]}) and "
+                f"{name_of(f2, d2)} ({files.names[f2]})", t,
             )
-        return [mapping[n] for n in names]
-    if not (table.file_out_index >= 0).any():
-        # Plain safetensors files: each tensor stays in the file it came from.
-        return _per_tensor_source(table, len(tensors), piece_tensor, piece_file, lambda f: table.files[f])
-    count = int(table.file_out_count[0])  # _check_files made every file DCP-named, with one count
-    return _per_tensor_source(
-        table, len(tensors), piece_tensor, piece_file, lambda f: output_name(int(table.file_out_index[f]), count)
-    )
-
-
-def _per_tensor_source(
-    table: PieceTable, num_tensors: int, piece_tensor: np.ndarray, piece_file: np.ndarray, name_of: Callable[[int], str]
-) -> list[str]:
-    order = np.lexsort((piece_file, piece_tensor))
-    tensor, files = piece_tensor[order], piece_file[order]
-    starts = np.searchsorted(tensor, np.arange(num_tensors))
-    chosen = [name_of(int(files[s])) for s in starts]
-    file_targets = [name_of(f) for f in range(len(table.files))]
-    codes = {name: i for i, name in enumerate(sorted(set(file_targets)))}
-    targets = np.array([codes[name] for name in file_targets], dtype=np.int64)
-    differs = np.nonzero(targets[files] != targets[files[starts[tensor]]])[0]
-    if len(differs):
-        i = differs[0]
-        j = starts[tensor[i]]
-        raise InputError(
-            f"tensor {table.names[tensor[i]]!r} has pieces destined for {name_of(int(files[j]))} "
-            f"({table.files[files[j]]}) and {name_of(int(files[i]))} ({table.files[files[i]]})"
-        )
-    return chosen
-
-
-def _converted(tensor: Tensor, target: str | None) -> Tensor:
-    dtype = converted_dtype(tensor.dtype, target)
-    if dtype == tensor.dtype:
-        return tensor
-    return replace(tensor, dtype=dtype, unit=DTYPE_BY_NAME[dtype].bits // 8)
-
-
-def _natural_key(name: str) -> list[object]:
-    """``layers.2`` before ``layers.10``: the order modules are usually defined in."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+    return result
 
 
 def _pack_shards(tensors: list[Tensor], assignment: list[str], max_shard_size: int) -> list[str]:
@@ -689,9 +429,7 @@ def _pack_shards(tensors: list[Tensor], assignment: list[str], max_shard_size: i
     Tensors are taken in their original file order, then natural name order; a tensor larger than
     the limit gets a file of its own. Files are named ``model-IIIII-of-NNNNN.safetensors``.
     """
-    if max_shard_size <= 0:
-        raise InputError(f"--max-shard-size must be positive (got {max_shard_size})")
-    order = sorted(range(len(tensors)), key=lambda t: (assignment[t], _natural_key(tensors[t].name)))
+    order = sorted(range(len(tensors)), key=lambda t: (assignment[t], natural_key(tensors[t].name)))
     shards: list[list[int]] = []
     current: list[int] = []
     current_size = 0
@@ -723,41 +461,78 @@ def _layout(tensors: list[Tensor], assignment: list[str]) -> tuple[list[Tensor],
     files = []
     for file_index, name in enumerate(sorted(by_file)):
         members = sorted(by_file[name], key=lambda t: (DTYPE_ORDER[tensors[t].dtype], tensors[t].name))
-        header, spans = build_header(
-            [(tensors[t].name, tensors[t].dtype, tensors[t].shape) for t in members], OUTPUT_METADATA
-        )
+        header, spans = build_header([(tensors[t].name, tensors[t].dtype, tensors[t].shape) for t in members], OUTPUT_METADATA)
         for t, (start, _) in zip(members, spans):
-            info = tensors[t]
-            placed[t] = replace(info, file=file_index, offset=len(header) + start)
+            placed[t] = replace(tensors[t], file=file_index, offset=len(header) + start)
         files.append(OutputFile(name, header, len(header) + (spans[-1][1] if spans else 0), tuple(members)))
     return placed, files
 
 
+def _converted(tensor: Tensor, target: str | None) -> Tensor:
+    dtype = converted_dtype(tensor.dtype, target)
+    if dtype == tensor.dtype:
+        return tensor
+    return replace(tensor, dtype=dtype, unit=DTYPE_BY_NAME[dtype].bits // 8)
+
+
+def build_layout(
+    files: ShardFiles,
+    names: list[str],
+    facts: TensorFacts,
+    ranks: int,
+    *,
+    mapping: Mapping[str, str] | None = None,
+    split: str = "bytes",
+    dtype: str | None = None,
+    max_shard_size: int | None = None,
+    problems: Problems | None = None,
+) -> Layout:
+    """The layout for ``ranks`` writers. With strict ``problems`` (the default) the first problem is
+    raised as InputError naming the tensor and files; otherwise problems are collected and a
+    layout is still returned (broken tensors keep the first piece's dtype and the extent as shape)."""
+    problems = Problems(strict=True) if problems is None else problems
+    if mapping is not None and max_shard_size is not None:
+        problems.add("--mapping and --max-shard-size both decide the output files: give one")
+        mapping = None
+    if not names:
+        problems.add("the checkpoint holds no tensors")
+    if split not in SPLITS:
+        raise InputError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
+    if max_shard_size is not None and max_shard_size <= 0:
+        raise InputError(f"--max-shard-size must be positive (got {max_shard_size})")
+    check_files(files, mapping, problems)
+    tensors = [_converted(t, dtype) for t in tensor_table(files, names, facts, problems)]
+    assignment = _assign_files(files, tensors, facts, mapping, problems)
+    if max_shard_size is not None:
+        assignment = _pack_shards(tensors, assignment, max_shard_size)
+    tensors, out_files = _layout(tensors, assignment)
+    layout = Layout(list(files.names), tensors, out_files)
+    layout.work = SPLITS[split](layout, ranks)
+    return layout
 
 
 # ---------------------------------------------------------------- work split policies
 
 
-def split_by_files(plan: Plan, ranks: int) -> list[list[WorkItem]]:
+def split_by_files(layout: Layout, ranks: int) -> list[list[WorkItem]]:
     """Whole output files dealt round-robin to ranks (torch's policy; idle ranks when files < ranks)."""
     work: list[list[WorkItem]] = [[] for _ in range(ranks)]
-    for index, out in enumerate(plan.files):
-        work[index % ranks].extend(WorkItem(t, 0, plan.tensors[t].rows) for t in out.tensors if plan.tensors[t].nbytes)
+    for index, out in enumerate(layout.files):
+        work[index % ranks].extend(WorkItem(t, 0, layout.tensors[t].rows) for t in out.tensors if layout.tensors[t].nbytes)
     return work
 
 
-def split_by_bytes(plan: Plan, ranks: int) -> list[list[WorkItem]]:
+def split_by_bytes(layout: Layout, ranks: int) -> list[list[WorkItem]]:
     """Equal byte ranges of the concatenated output data, cut at row boundaries.
 
     Each rank gets one contiguous stretch of the output, so max/mean bytes per rank stays
     near 1 whatever the number and sizes of files (up to one row of the cut tensors).
     """
-    ordered = [t for out in plan.files for t in out.tensors if plan.tensors[t].nbytes]
-    sizes = np.array([plan.tensors[t].nbytes for t in ordered], dtype=np.int64)
+    ordered = [t for out in layout.files for t in out.tensors if layout.tensors[t].nbytes]
+    sizes = np.array([layout.tensors[t].nbytes for t in ordered], dtype=np.int64)
     ends = np.cumsum(sizes)
     begins = ends - sizes
     total = int(ends[-1]) if len(ends) else 0
-    # Cut points in bytes, each moved to the nearest row boundary of the tensor it falls in.
     cuts = [0]
     for k in range(1, ranks):
         target = total * k // ranks
@@ -765,7 +540,7 @@ def split_by_bytes(plan: Plan, ranks: int) -> list[list[WorkItem]]:
         if i >= len(ordered):
             cuts.append(total)
             continue
-        row_bytes = plan.tensors[ordered[i]].row_bytes
+        row_bytes = layout.tensors[ordered[i]].row_bytes
         rows = round((target - int(begins[i])) / row_bytes)
         cuts.append(max(cuts[-1], int(begins[i]) + rows * row_bytes))
     cuts.append(total)
@@ -777,7 +552,7 @@ def split_by_bytes(plan: Plan, ranks: int) -> list[list[WorkItem]]:
         first = int(np.searchsorted(ends, low, side="right"))
         last = int(np.searchsorted(begins, high, side="left"))
         for i in range(first, last):
-            info = plan.tensors[ordered[i]]
+            info = layout.tensors[ordered[i]]
             row_low = max(0, (low - int(begins[i])) // info.row_bytes)
             row_high = min(info.rows, -(-(high - int(begins[i])) // info.row_bytes))
             if row_high > row_low:
@@ -785,4 +560,345 @@ def split_by_bytes(plan: Plan, ranks: int) -> list[list[WorkItem]]:
     return work
 
 
-SPLITS: dict[str, Callable[[Plan, int], list[list[WorkItem]]]] = {"bytes": split_by_bytes, "files": split_by_files}
+SPLITS: dict[str, Callable[[Layout, int], list[list[WorkItem]]]] = {"bytes": split_by_bytes, "files": split_by_files}
+
+
+# ---------------------------------------------------------------- routing pieces to the ranks that own their rows
+
+
+@dataclass
+class RowOwners:
+    """Every work item as sorted arrays, to find with searchsorted which ranks own a piece's rows."""
+
+    base: np.ndarray  # int64[T + 1]: the first global row of each tensor (rows of all tensors end to end)
+    begin: np.ndarray  # int64[I]: global first row of each item, sorted
+    end: np.ndarray  # int64[I]
+    rank: np.ndarray  # int32[I]
+
+    @classmethod
+    def of(cls, layout: Layout) -> "RowOwners":
+        rows = np.array([t.rows for t in layout.tensors], dtype=np.int64)
+        base = np.concatenate(([0], np.cumsum(rows)))
+        items = [(base[i.tensor] + i.row_begin, base[i.tensor] + i.row_end, rank)
+                 for rank, work in enumerate(layout.work) for i in work]
+        items.sort()
+        arr = np.array(items, dtype=np.int64).reshape(-1, 3)
+        return cls(base, arr[:, 0], arr[:, 1], arr[:, 2].astype(np.int32))
+
+    def route(self, pieces: Pieces) -> tuple[np.ndarray, np.ndarray]:
+        """(piece index, owner rank) for every non-empty piece and every rank whose rows it crosses."""
+        nonempty = np.flatnonzero(~(pieces.shape == 0).any(axis=1))
+        low = self.base[pieces.tensor[nonempty]] + pieces.offset[nonempty, 0]
+        high = low + pieces.shape[nonempty, 0]
+        first = np.searchsorted(self.end, low, side="right")
+        last = np.searchsorted(self.begin, high, side="left")
+        count = np.maximum(0, last - first)
+        index = np.repeat(nonempty, count)
+        position = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count) + np.repeat(first, count)
+        return index, self.rank[position]
+
+    def primary(self, pieces: Pieces, rank: int) -> np.ndarray:
+        """Whether ``rank`` owns the first row of each piece (each piece is counted once, by that owner)."""
+        row = self.base[pieces.tensor] + pieces.offset[:, 0]
+        at = np.searchsorted(self.end, row, side="right")
+        inside = at < len(self.end)
+        owner = np.full(len(pieces), -1, dtype=np.int32)
+        owner[inside] = np.where(self.begin[at[inside]] <= row[inside], self.rank[at[inside]], -1)
+        return owner == rank
+
+
+# ---------------------------------------------------------------- one rank's part
+
+
+@dataclass(frozen=True)
+class Replicas:
+    """Every copy of every piece stored more than once (same tensor, offsets and shape), one row each.
+
+    Rows with the same ``group`` must hold the same bytes; the part keeps one copy of each group,
+    so a divergent replica would otherwise go unnoticed.
+    """
+
+    group: np.ndarray  # int64[R]
+    file: np.ndarray  # int32[R]
+    begin: np.ndarray  # int64[R], absolute byte offset in the file
+    nbytes: np.ndarray  # int64[R]
+    tensor: np.ndarray  # int32[R]
+    holder: np.ndarray  # int32[R], a rank that can read the file
+    offset: np.ndarray  # int64[R, D], storage units
+    shape: np.ndarray  # int64[R, D]
+
+    @property
+    def total_bytes(self) -> int:
+        return int(self.nbytes.sum())
+
+
+@dataclass
+class Part:
+    """One rank's rows and the pieces they need: non-empty, replicas kept once, sorted by (tensor, row).
+
+    Tensor ``t``'s pieces are ``pieces[start[t]:start[t + 1]]``.
+    """
+
+    rank: int
+    items: list[WorkItem]
+    pieces: Pieces
+    start: np.ndarray
+    replicas: Replicas | None = None
+    #: Per source file: pieces this rank counted (it owns their first row), and how many were repeats.
+    held: np.ndarray | None = None
+    repeated: np.ndarray | None = None
+    #: Per source file: one repeated piece (tensor, offset, shape, original file) for the message.
+    examples: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=dict)
+
+    def tensor_pieces(self, t: int) -> Pieces:
+        return self.pieces.take(slice(int(self.start[t]), int(self.start[t + 1])))
+
+
+def _first_identical_row(keys: np.ndarray) -> np.ndarray:
+    """For every row of ``keys`` (already sorted), the index of the first row equal to it."""
+    starts_group = np.ones(len(keys), dtype=bool)
+    starts_group[1:] = np.any(keys[1:] != keys[:-1], axis=1)
+    group = np.cumsum(starts_group) - 1
+    return np.flatnonzero(starts_group)[group]
+
+
+def _element_region(tensor: Tensor, low: Sequence[int], high: Sequence[int]) -> str:
+    """A storage-unit box as the element region messages show (sub-byte last dimension in elements)."""
+    rank = max(1, len(tensor.shape))
+    low, high = [int(x) for x in low[:rank]], [int(x) for x in high[:rank]]
+    bits = DTYPE_BY_NAME[tensor.source_dtype].bits
+    if bits % 8 and tensor.shape:
+        low[-1], high[-1] = low[-1] * 8 // bits, high[-1] * 8 // bits
+    return _region(low, high, rank)
+
+
+def build_part(
+    layout: Layout,
+    rank: int,
+    received: Pieces,
+    owners: RowOwners,
+    problems: Problems | None = None,
+) -> Part:
+    """Check and order the pieces routed to ``rank``: replicas, coverage of its rows, copied files.
+
+    ``received`` holds every non-empty piece that crosses the rows ``rank`` owns (storage units).
+    Coverage problems are raised (strict) or collected per tensor.
+    """
+    problems = Problems(strict=True) if problems is None else problems
+    items = layout.work[rank] if rank < len(layout.work) else []
+    width = received.width
+    order = np.lexsort((received.file, *[received.shape[:, d] for d in reversed(range(width))],
+                        *[received.offset[:, d] for d in reversed(range(width))], received.tensor))
+    pieces = received.take(order)
+    keys = np.concatenate([pieces.tensor[:, None].astype(np.int64), pieces.offset, pieces.shape], axis=1)
+    first_copy = _first_identical_row(keys) if len(pieces) else np.zeros(0, dtype=np.int64)
+    repeat = first_copy != np.arange(len(pieces))
+    primary = owners.primary(pieces, rank)
+    num_files = len(layout.source_files)
+    held = np.bincount(pieces.file[primary], minlength=num_files).astype(np.int64)
+    repeated = np.bincount(pieces.file[primary & repeat], minlength=num_files).astype(np.int64)
+    examples = {}
+    for i in np.flatnonzero(primary & repeat):
+        f = int(pieces.file[i])
+        if f not in examples:
+            j = int(first_copy[i])
+            examples[f] = (int(pieces.tensor[i]), tuple(int(x) for x in pieces.offset[i]),
+                           tuple(int(x) for x in pieces.shape[i]), int(pieces.file[j]))
+    replicas = _replicas(pieces, first_copy, repeat, layout)
+    kept = pieces.take(np.flatnonzero(~repeat))
+    start = np.searchsorted(kept.tensor, np.arange(len(layout.tensors) + 1)).astype(np.int64)
+    part = Part(rank, items, kept, start, replicas, held, repeated, examples)
+    check_coverage(layout, part, problems)
+    return part
+
+
+def _replicas(pieces: Pieces, first_copy: np.ndarray, repeat: np.ndarray, layout: Layout) -> Replicas | None:
+    if not repeat.any():
+        return None
+    rows = np.unique(np.concatenate([np.flatnonzero(repeat), first_copy[repeat]]))
+    units = np.array([layout.tensors[t].source_unit for t in range(len(layout.tensors))], dtype=np.int64)
+    nbytes = np.prod(pieces.shape[rows], axis=1) * units[pieces.tensor[rows]]
+    return Replicas(
+        group=first_copy[rows].astype(np.int64), file=pieces.file[rows], begin=pieces.begin[rows], nbytes=nbytes,
+        tensor=pieces.tensor[rows], holder=pieces.holder[rows], offset=pieces.offset[rows], shape=pieces.shape[rows],
+    )
+
+
+def copied_file_problem(layout: Layout, names: list[str], held: np.ndarray, repeated: np.ndarray,
+                        examples: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]]) -> str | None:
+    """A shard file whose every non-empty piece repeats a piece of another file is a copy, not a rank's share.
+
+    torch writes replicated tensors once, so a file of nothing but repeats was saved twice (e.g. under
+    another rank number), which can hide the loss of the file it replaced. ``held``/``repeated`` are
+    summed over all ranks; ``examples`` are merged from them.
+    """
+    copies = np.flatnonzero((held > 0) & (repeated == held))
+    if not len(copies):
+        return None
+    f = int(copies[0])
+    tensor, offset, shape, original = examples[f]
+    info = layout.tensors[tensor]
+    region = _element_region(info, offset, np.add(offset, shape))
+    return (
+        f"{layout.source_files[f]}: every piece in it duplicates a piece of another shard file (tensor "
+        f"{names[tensor]!r} at {region} is also in {layout.source_files[original]}); is it a copy saved under another name?"
+    )
+
+
+def check_coverage(layout: Layout, part: Part, problems: Problems) -> None:
+    """Every element of the rows this part owns is covered exactly once, else a problem naming the region and files."""
+    if not part.items:
+        return
+    item_tensor = np.array([i.tensor for i in part.items], dtype=np.int64)
+    item_low = np.array([i.row_begin for i in part.items], dtype=np.int64)
+    item_high = np.array([i.row_end for i in part.items], dtype=np.int64)
+    pieces = part.pieces
+    storage = np.array([layout.tensors[t].storage for t in range(len(layout.tensors))], dtype=np.int64).reshape(len(layout.tensors), -1)
+    # Fast path, vectorized over every item: all pieces span the full trailing dimensions and tile the rows.
+    counts = part.start[item_tensor + 1] - part.start[item_tensor]
+    full_width = np.all((pieces.shape[:, 1:] == storage[pieces.tensor, 1:]) & (pieces.offset[:, 1:] == 0), axis=1)
+    item_of_piece = np.repeat(np.arange(len(part.items)), counts)
+    index = np.repeat(part.start[item_tensor], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    low = np.maximum(pieces.offset[index, 0], item_low[item_of_piece])
+    high = np.minimum(pieces.offset[index, 0] + pieces.shape[index, 0], item_high[item_of_piece])
+    crosses = high > low
+    index, item_of_piece, low, high = index[crosses], item_of_piece[crosses], low[crosses], high[crosses]
+    simple = np.ones(len(part.items), dtype=bool)
+    np.logical_and.at(simple, item_of_piece, full_width[index])
+    ok = simple.copy()
+    if len(index):
+        first_of_item = np.r_[True, item_of_piece[1:] != item_of_piece[:-1]]
+        last_of_item = np.r_[item_of_piece[1:] != item_of_piece[:-1], True]
+        gap = np.zeros(len(index), dtype=bool)
+        gap[1:] = ~first_of_item[1:] & (low[1:] != high[:-1])
+        gap |= first_of_item & (low != item_low[item_of_piece])
+        gap |= last_of_item & (high != item_high[item_of_piece])
+        np.logical_and.at(ok, item_of_piece, ~gap)
+    ok &= np.bincount(item_of_piece, minlength=len(part.items)) > 0
+    ok |= np.array([layout.tensors[t].nbytes == 0 for t in item_tensor], dtype=bool)
+    for i in np.flatnonzero(~ok):
+        item = part.items[i]
+        _check_item(layout, part, item, problems)
+
+
+def _check_item(layout: Layout, part: Part, item: WorkItem, problems: Problems) -> None:
+    """The exact check of one item's rows on a grid of the pieces' cut points (or pairwise when huge)."""
+    tensor = layout.tensors[item.tensor]
+    pieces = part.tensor_pieces(item.tensor)
+    rank = max(1, len(tensor.shape))
+    whole = (item.row_begin, item.row_end) == (0, tensor.rows)
+    where = f"tensor {tensor.name!r} (shape {list(tensor.shape)})"
+    scope = "overall" if whole else f"in rows {item.row_begin}:{item.row_end}"
+    low_box = np.array([item.row_begin] + [0] * (rank - 1), dtype=np.int64)
+    high_box = np.array([item.row_end] + list(tensor.storage[1:rank]), dtype=np.int64)
+    offset = np.maximum(pieces.offset[:, :rank], low_box)
+    end = np.minimum(pieces.offset[:, :rank] + pieces.shape[:, :rank], high_box)
+    inside = np.all(end > offset, axis=1)
+    offset, end, files = offset[inside], end[inside], pieces.file[inside]
+    full_pieces = pieces.take(np.flatnonzero(inside))
+    expected = int(np.prod(high_box - low_box))
+    covered = int(np.prod(end - offset, axis=1).sum()) if len(offset) else 0
+    if expected == 0:
+        return
+    if len(offset) == 0:
+        problems.add(f"{where}: no piece holds any data" if whole else
+                     f"{where}: hole: no piece covers region {_element_region(tensor, low_box, high_box)} ({expected} elements missing {scope})",
+                     item.tensor)
+        return
+    cuts = [np.unique(np.concatenate(([low_box[d], high_box[d]], offset[:, d], end[:, d]))) for d in range(rank)]
+    grid = [len(c) - 1 for c in cuts]
+    if int(np.prod(grid, dtype=np.int64)) > MAX_GRID_CELLS:
+        _check_pairwise(layout, tensor, where, offset, end, files, covered, expected, scope, problems, item.tensor)
+        return
+    lo = np.stack([np.searchsorted(cuts[d], offset[:, d]) for d in range(rank)], axis=1)
+    hi = np.stack([np.searchsorted(cuts[d], end[:, d]) for d in range(rank)], axis=1)
+    dims = [g + 1 for g in grid]
+    corners = list(itertools.product((0, 1), repeat=rank))
+    flat = np.concatenate(
+        [np.ravel_multi_index(tuple(np.where(c[d], hi[:, d], lo[:, d]) for d in range(rank)), dims) for c in corners]
+    )
+    signs = np.repeat([-1 if sum(c) % 2 else 1 for c in corners], len(lo))
+    diff = np.bincount(flat, weights=signs, minlength=int(np.prod(dims))).astype(np.int64).reshape(dims)
+    for d in range(rank):
+        diff = np.cumsum(diff, axis=d)
+    counts = diff[tuple(slice(0, g) for g in grid)]
+    bad = np.argwhere(counts != 1)
+    if len(bad) == 0:
+        return
+    cell = bad[0]
+    region = _element_region(tensor, [cuts[d][cell[d]] for d in range(rank)], [cuts[d][cell[d] + 1] for d in range(rank)])
+    if counts[tuple(cell)] == 0:
+        missing = f" ({expected - covered} elements missing {scope})" if expected > covered else ""
+        problems.add(f"{where}: hole: no piece covers region {region}{missing}", item.tensor)
+        return
+    holding = np.all((lo <= cell) & (cell < hi), axis=1)
+    holders = ", ".join(
+        f"{layout.source_files[f]} at {_element_region(tensor, o, o + s)}"
+        for f, o, s in zip(full_pieces.file[holding], full_pieces.offset[holding, :rank], full_pieces.shape[holding, :rank])
+    )
+    problems.add(f"{where}: overlap: region {region} is covered by {int(holding.sum())} pieces: {holders}", item.tensor)
+
+
+def _check_pairwise(layout: Layout, tensor: Tensor, where: str, offset: np.ndarray, end: np.ndarray, files: np.ndarray,
+                    covered: int, expected: int, scope: str, problems: Problems, t: int) -> None:
+    """Overlap check for irregular tilings too fine for a grid: blockwise pairwise box tests."""
+    block = 512
+    for i0 in range(0, len(offset), block):
+        hit = np.all((offset[i0 : i0 + block, None] < end[None]) & (offset[None] < end[i0 : i0 + block, None]), axis=2)
+        hit[np.arange(hit.shape[0]), np.arange(i0, i0 + hit.shape[0])] = False
+        pairs = np.argwhere(hit)
+        if len(pairs):
+            i, j = i0 + pairs[0][0], pairs[0][1]
+            problems.add(
+                f"{where}: overlap: piece {_element_region(tensor, offset[i], end[i])} in {layout.source_files[files[i]]} "
+                f"overlaps piece {_element_region(tensor, offset[j], end[j])} in {layout.source_files[files[j]]}", t,
+            )
+            return
+    if covered != expected:
+        problems.add(f"{where}: hole: pieces cover {covered} of {expected} elements {scope}", t)
+
+
+# ---------------------------------------------------------------- everything in one process
+
+
+@dataclass
+class Plan:
+    """The layout and every rank's part, computed in one process (tests, previews, one-rank jobs)."""
+
+    layout: Layout
+    parts: list[Part]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.layout, name)
+
+
+def facts_of(table: Table) -> TensorFacts:
+    """Both rounds of the facts, from every piece at once."""
+    destinations = piece_destinations(table.files)
+    facts = local_facts(table.pieces, len(table.names), table.pieces.width, destinations, table.misaligned)
+    set_odd(facts, local_odd(table.pieces, facts, destinations))
+    return facts
+
+
+def build_plan(
+    table: Table,
+    ranks: int,
+    *,
+    mapping: Mapping[str, str] | None = None,
+    split: str = "bytes",
+    dtype: str | None = None,
+    max_shard_size: int | None = None,
+) -> Plan:
+    """The whole plan in one process, from every piece; raises the first problem (InputError)."""
+    layout = build_layout(table.files, table.names, facts_of(table), ranks, mapping=mapping, split=split, dtype=dtype,
+                          max_shard_size=max_shard_size)
+    owners = RowOwners.of(layout)
+    index, rank_of = owners.route(table.pieces)
+    parts = [build_part(layout, r, table.pieces.take(index[rank_of == r]), owners) for r in range(ranks)]
+    problem = copied_file_problem(
+        layout, table.names, sum(p.held for p in parts), sum(p.repeated for p in parts),  # type: ignore[misc]
+        {f: e for p in reversed(parts) for f, e in p.examples.items()},
+    )
+    if problem:
+        raise InputError(problem)
+    return Plan(layout, parts)

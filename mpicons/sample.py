@@ -40,10 +40,22 @@ class SampleConfig:
     files: int = 2
     dtype: str = "BF16"
     seed: int = 0
+    #: ``"llama"``: the dense model above; ``"moe"``: many small expert tensors, every one cut by rows
+    #: over all ``dp × tp`` training ranks (FSDP), so pieces are many and small.
+    kind: str = "llama"
 
     @property
     def world(self) -> int:
         return self.dp * self.tp
+
+    @classmethod
+    def moe(cls, target_bytes: int, training_ranks: int = 64, layers: int = 24, hidden: int = 128, **kwargs: object) -> "SampleConfig":
+        """A mixture-of-experts shape of about ``target_bytes``: ``layers`` × (attention, norms, router,
+        ``experts`` × gate/up/down of hidden × hidden, fp16), every tensor cut by rows over ``training_ranks``."""
+        per_expert = 3 * hidden * hidden * 2
+        experts = max(1, round((target_bytes / layers - 4 * hidden * hidden * 2) / per_expert))
+        return cls(**{"layers": layers, "hidden": hidden, "intermediate": hidden, "kv_dim": hidden, "experts": experts,
+                      "dp": training_ranks, "tp": 1, "files": 1, "dtype": "F16", "vocab": hidden, "kind": "moe", **kwargs})  # type: ignore[arg-type]
 
     @classmethod
     def sized(cls, target_bytes: int, **kwargs: object) -> "SampleConfig":
@@ -116,8 +128,26 @@ def _placements(c: SampleConfig) -> dict[str, Callable[[tuple[int, ...], int, in
     }
 
 
+def _moe_specs(c: SampleConfig) -> list[tuple[str, str, tuple[int, ...], str, int]]:
+    specs = []
+    for layer in range(c.layers):
+        index = 1 + layer * c.files // c.layers
+        p = f"model.layers.{layer}."
+        specs += [(p + f"self_attn.{m}_proj.weight", c.dtype, (c.hidden, c.hidden), "all_rows", index) for m in "qkvo"]
+        specs += [(p + n, "F32", (c.hidden,), "all_rows", index) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")]
+        specs.append((p + "mlp.gate.weight", c.dtype, (c.experts, c.hidden), "all_rows", index))
+        for e in range(c.experts):
+            q = f"{p}mlp.experts.{e}."
+            specs += [(q + "gate_proj.weight", c.dtype, (c.intermediate, c.hidden), "all_rows", index),
+                      (q + "up_proj.weight", c.dtype, (c.intermediate, c.hidden), "all_rows", index),
+                      (q + "down_proj.weight", c.dtype, (c.hidden, c.intermediate), "all_rows", index)]
+    return specs
+
+
 def tensor_specs(c: SampleConfig) -> list[tuple[str, str, tuple[int, ...], str, int]]:
     """(name, dtype, full shape, placement, output file index from 1) for every tensor of the sample."""
+    if c.kind == "moe":
+        return _moe_specs(c)
     specs = [("model.embed_tokens.weight", c.dtype, (c.vocab, c.hidden), "all_rows", 1)]
     for layer in range(c.layers):
         index = 1 + layer * c.files // c.layers

@@ -24,9 +24,12 @@ from .io import SourceFiles
 from .outdir import LOCK_NAME, STAGING_PREFIX, Holder
 from .parallel import Comm, agree
 from .convert import TARGETS, convert, numpy_dtype
-from .plan import INDEX_NAME, OUTPUT_METADATA, Plan, WorkItem, build_plan
+from .plan import INDEX_NAME, OUTPUT_METADATA, Layout, Part, build_layout
 from .stats import count_of as _count, human_bytes
-from .scan import DCP_SHARD_NAME, scan
+from .scan import Scanned, distribute, scan
+from .table import DCP_SHARD_NAME
+from .engine import Assembler, Block, Segment, block_budget, blocks, segment_bytes, segment_offset
+from .exchange import ExchangeWriter
 
 #: Smallest comparison buffer half: must hold one storage unit (≤ 8 bytes); tiny values are for tests.
 MIN_HALF_BUFFER = 64
@@ -360,182 +363,108 @@ class _Diff:
         self.error = self.error or other.error
 
 
-class _Comparer:
-    """Compares output rows with shard pieces in blocks of at most ``buffer_size / 2`` bytes.
+class _Checker:
+    """Compares assembled blocks (what the shards say) with the output files, segment by segment.
 
-    A block of output rows is read into one buffer, then each piece crossing it is read into the
-    other and compared with its region of the block (a numpy strided view): memory stays bounded
-    whatever the tensor size. A single row larger than the buffer is split along the next dimension.
+    The output bytes of a block are read with one read per contiguous stretch of an output file;
+    only a block that differs is looked at segment by segment.
     """
 
-    def __init__(self, plan: Plan, sources: SourceFiles, outputs: SourceFiles, buffer_size: int) -> None:
-        half = max(MIN_HALF_BUFFER, buffer_size // 2)
-        self.plan = plan
-        self.sources = sources
+    def __init__(self, layout: Layout, located: dict[str, _Located], outputs: SourceFiles, out_ids: dict[str, int]) -> None:
+        self.layout = layout
+        self.located = located
         self.outputs = outputs
-        self.block = np.empty(half, dtype=np.uint8)
-        self.scratch = np.empty(half, dtype=np.uint8)
-        self.converted = np.empty(half, dtype=np.uint8)
+        self.out_ids = out_ids
+        self.got = np.empty(0, dtype=np.uint8)
+        self.diffs: dict[int, _Diff] = {}
 
-    def compare(self, item: WorkItem, out_file: int, out_start: int) -> _Diff:
-        plan = self.plan
-        tensor = plan.tensors[item.tensor]
-        lo, hi = plan.piece_start[item.tensor], plan.piece_start[item.tensor + 1]
-        diff = _Diff()
-        dtypes = None
-        if tensor.source_dtype != tensor.dtype:  # written with --dtype: compare with the converted shards
-            dtypes = (numpy_dtype(tensor.source_dtype), numpy_dtype(tensor.dtype))
-        try:
-            self._region(
-                diff,
-                out_file,
-                out_start,
-                tensor.storage,
-                (tensor.source_unit, tensor.unit),
-                dtypes,
-                plan.piece_file[lo:hi],
-                plan.piece_begin[lo:hi],
-                plan.piece_shape[lo:hi],
-                plan.piece_offset[lo:hi],
-                item.row_begin,
-                item.row_end,
-                (),
-            )
-        except (MpiconsError, OSError) as exc:
-            diff.error = f"cannot compare: {exc}"
-        return diff
+    def _where(self, segment: Segment) -> tuple[int, int, int]:
+        """(output file id, byte offset, bytes) of a segment in the checked output."""
+        tensor = self.layout.tensors[segment.tensor]
+        inside = segment_offset(self.layout, segment) - tensor.offset
+        where = self.located[tensor.name]
+        return self.out_ids[where.file], where.start + inside, segment_bytes(self.layout, segment)[1]
 
-    def _region(
-        self,
-        diff: _Diff,
-        file: int,
-        base: int,
-        storage: tuple[int, ...],
-        units: tuple[int, int],
-        dtypes: tuple[np.dtype, np.dtype] | None,
-        src: np.ndarray,
-        begin: np.ndarray,
-        shape: np.ndarray,
-        offset: np.ndarray,
-        row_begin: int,
-        row_end: int,
-        prefix: tuple[int, ...],
-    ) -> None:
-        """Rows [row_begin, row_end) of a region of shape ``storage`` whose row 0 is at ``base`` of the output.
-
-        ``units`` are the bytes per element in the shards and in the output (they differ under ``--dtype``).
-        """
-        unit_in, unit = units
-        row_elements = int(np.prod(storage[1:], dtype=np.int64))
-        row_bytes = row_elements * unit
-        piece_row_bytes = np.prod(shape[:, 1:], axis=1) * unit_in
-        hit = (offset[:, 0] < row_end) & (offset[:, 0] + shape[:, 0] > row_begin)
-        src, begin, shape, offset, piece_row_bytes = src[hit], begin[hit], shape[hit], offset[hit], piece_row_bytes[hit]
-        if row_elements * max(unit_in, unit) > len(self.block):
-            for row in range(row_begin, row_end):
-                inside = (offset[:, 0] <= row) & (row < offset[:, 0] + shape[:, 0])
-                self._region(
-                    diff,
-                    file,
-                    base + row * row_bytes,
-                    storage[1:],
-                    units,
-                    dtypes,
-                    src[inside],
-                    begin[inside] + (row - offset[inside, 0]) * piece_row_bytes[inside],
-                    shape[inside, 1:],
-                    offset[inside, 1:],
-                    0,
-                    storage[1],
-                    prefix + (row,),
-                )
+    def __call__(self, block: Block, expected: np.ndarray) -> None:
+        if len(self.got) < block.size:
+            self.got = np.empty(block.size, dtype=np.uint8)
+        got = self.got[: block.size]
+        places = [self._where(s) for s in block.segments]
+        position = 0
+        while position < len(places):  # one read per contiguous stretch of one output file
+            file, offset, size = places[position]
+            last = position
+            while last + 1 < len(places) and places[last + 1][0] == file and places[last + 1][1] == offset + size:
+                last += 1
+                size += places[last][2]
+            start = sum(p[2] for p in places[:position])
+            self.outputs.read_into(file, offset, memoryview(got[start : start + size]))
+            position = last + 1
+        if np.array_equal(got, expected):
             return
-        rows_per_block = len(self.block) // (row_elements * max(unit_in, unit))
-        for block_begin in range(row_begin, row_end, rows_per_block):
-            block_end = min(row_end, block_begin + rows_per_block)
-            rows = block_end - block_begin
-            raw = self.block[: rows * row_bytes]
-            self.outputs.read_into(file, base + block_begin * row_bytes, memoryview(raw))
-            block = raw.reshape((rows, *storage[1:], unit))
-            first = np.maximum(offset[:, 0], block_begin)
-            last = np.minimum(offset[:, 0] + shape[:, 0], block_end)
-            for i in np.nonzero(last > first)[0]:
-                count = int(last[i] - first[i])
-                chunk = self.scratch[: count * int(piece_row_bytes[i])]
-                self.sources.read_into(int(src[i]), int(begin[i] + (first[i] - offset[i, 0]) * piece_row_bytes[i]), memoryview(chunk))
-                if dtypes is not None:
-                    converted = self.converted[: len(chunk) // unit_in * unit]
-                    convert(chunk.view(dtypes[0]), converted.view(dtypes[1]))
-                    chunk = converted
-                want = chunk.reshape((count, *(int(s) for s in shape[i, 1:]), unit))
-                target = (slice(int(first[i]) - block_begin, int(last[i]) - block_begin),) + tuple(
-                    slice(int(o), int(o + s)) for o, s in zip(offset[i, 1:], shape[i, 1:])
-                )
-                got = block[target]
-                unequal = got != want
-                if not unequal.any():
-                    continue
-                bad = unequal.any(axis=-1)
-                local = np.unravel_index(int(np.argmax(bad)), bad.shape)  # first True in C order
-                where = (int(first[i]) + int(local[0]),) + tuple(int(o) + int(x) for o, x in zip(offset[i, 1:], local[1:]))
-                diff.add(int(np.count_nonzero(bad)), prefix + where, got[local].tobytes(), want[local].tobytes())
+        start = 0
+        for segment, (_, _, size) in zip(block.segments, places):
+            self._segment(segment, got[start : start + size], expected[start : start + size])
+            start += size
 
+    def _segment(self, segment: Segment, got: np.ndarray, want: np.ndarray) -> None:
+        tensor = self.layout.tensors[segment.tensor]
+        unit = tensor.unit
+        bad = (got.reshape(-1, unit) != want.reshape(-1, unit)).any(axis=1)
+        if not bad.any():
+            return
+        first = int(np.argmax(bad))
+        linear = (segment_offset(self.layout, segment) - tensor.offset) // unit + first
+        index = tuple(int(i) for i in np.unravel_index(linear, tensor.storage))
+        diff = self.diffs.setdefault(segment.tensor, _Diff())
+        diff.add(int(np.count_nonzero(bad)), index, got[first * unit : (first + 1) * unit].tobytes(),
+                 want[first * unit : (first + 1) * unit].tobytes())
 
-def _local_work(plan: Plan, holders: list[np.ndarray], comparable: set[int], ranks: int) -> list[list[WorkItem]]:
-    """Node-local shards: each whole tensor goes to the least loaded rank that can read all its pieces.
-
-    Comparison reads shard bytes directly (no MPI transfer), so a tensor whose pieces no single rank
-    can see cannot be compared; that is an error of the arguments, not of the checkpoint.
-    """
-    load = np.zeros(ranks, dtype=np.int64)
-    work: list[list[WorkItem]] = [[] for _ in range(ranks)]
-    for t in sorted(comparable, key=lambda t: (-plan.tensors[t].nbytes, t)):
-        info = plan.tensors[t]
-        if not info.nbytes:
-            continue
-        files = np.unique(plan.piece_file[plan.piece_start[t] : plan.piece_start[t + 1]])
-        candidates = np.arange(ranks)
-        for f in files:
-            candidates = np.intersect1d(candidates, holders[int(f)])
-        if not len(candidates):
-            names = ", ".join(plan.source_files[int(f)] for f in files)
-            raise InputError(
-                f"tensor {info.name!r}: no rank can read all of its shard files ({names}); "
-                "--against needs each tensor's shards on one node or a shared filesystem"
-            )
-        rank = int(candidates[np.argmin(load[candidates])])
-        load[rank] += info.nbytes
-        work[rank].append(WorkItem(t, 0, info.rows))
-    return work
+    def fail(self, block: Block, error: BaseException) -> None:
+        for segment in block.segments:
+            self.diffs.setdefault(segment.tensor, _Diff()).error = f"cannot compare: {error}"
 
 
 def _compare_share(
-    plan: Plan,
-    items: list[WorkItem],
-    shard_dir: str,
+    comm: Comm,
+    scanned: Scanned,
+    layout: Layout,
+    part: Part,
     output_dir: str,
     located: dict[str, _Located],
     comparable: set[int],
     buffer_size: int,
 ) -> dict[int, _Diff]:
-    """This rank's work items compared; differences per tensor."""
-    out_names = sorted({located[plan.tensors[t].name].file for t in comparable})
-    out_ids = {name: i for i, name in enumerate(out_names)}
-    sources, outputs = SourceFiles(shard_dir, plan.source_files), SourceFiles(output_dir, out_names)
-    comparer = _Comparer(plan, sources, outputs, buffer_size)
-    diffs: dict[int, _Diff] = {}
+    """This rank's rows of the comparable tensors, assembled from the shards and compared; differences per tensor."""
+    part.items = [item for item in part.items if item.tensor in comparable]
+    out_names = sorted({located[layout.tensors[t].name].file for t in comparable})
+    sources, outputs = SourceFiles(scanned.directory, scanned.files.names), SourceFiles(output_dir, out_names)
+    checker = _Checker(layout, located, outputs, {name: i for i, name in enumerate(out_names)})
     try:
-        for item in items:
-            if item.tensor not in comparable:
-                continue
-            where = located[plan.tensors[item.tensor].name]
-            diff = comparer.compare(item, out_ids[where.file], where.start)
-            if diff.count or diff.error:
-                diffs.setdefault(item.tensor, _Diff()).merge(diff)
+        if scanned.shared:
+            block_bytes = block_budget(buffer_size, 2)
+            assembler = Assembler(layout, part, block_bytes, sources.read_into)
+            buffer = np.empty(block_bytes, dtype=np.uint8)
+            segments = [Segment(i.tensor, i.row_begin, i.row_end) for i in part.items]
+            for whole in blocks(layout, segments, block_bytes):
+                for block in assembler.split(whole):
+                    if len(buffer) < block.size:
+                        buffer = np.empty(block.size, dtype=np.uint8)
+                    try:
+                        checker(block, assembler.assemble(block, buffer))
+                    except (MpiconsError, OSError) as exc:
+                        checker.fail(block, exc)
+        else:
+            channel = comm.Dup()
+            try:
+                ExchangeWriter(layout, part, scanned.files, sources, None, buffer_size, channel, sink=checker,
+                               copies=False, delegate=False).run()
+            finally:
+                channel.Free()
     finally:
         sources.close()
         outputs.close()
-    return diffs
+    return checker.diffs
 
 
 def _element_index(storage_index: tuple[int, ...], dtype: str, ndim: int) -> list[int]:
@@ -548,7 +477,7 @@ def _element_index(storage_index: tuple[int, ...], dtype: str, ndim: int) -> lis
 
 
 def _against_checks(
-    plan: Plan, against: str, output_dir: str, listing: _Listing, results: list[_FileResult], located: dict[str, _Located]
+    plan: Layout, against: str, output_dir: str, listing: _Listing, results: list[_FileResult], located: dict[str, _Located]
 ) -> tuple[set[int], list[Problem]]:
     """Tensors present on both sides with the same dtype and shape (comparable), and the problems of the rest."""
     join = lambda name: os.path.join(output_dir, name)  # noqa: E731
@@ -578,7 +507,7 @@ def _against_checks(
     return comparable, problems
 
 
-def _dtype_hint(plan: Plan, located: dict[str, _Located]) -> str | None:
+def _dtype_hint(plan: Layout, located: dict[str, _Located]) -> str | None:
     """When every float tensor that differs in dtype was turned into one dtype, the output was written with --dtype."""
     targets = {v: k for k, v in TARGETS.items()}
     changed = {
@@ -600,7 +529,7 @@ def _dtype_hint(plan: Plan, located: dict[str, _Located]) -> str | None:
     )
 
 
-def _diff_problems(plan: Plan, output_dir: str, located: dict[str, _Located], diffs: dict[int, _Diff]) -> list[Problem]:
+def _diff_problems(plan: Layout, output_dir: str, located: dict[str, _Located], diffs: dict[int, _Diff]) -> list[Problem]:
     problems = []
     for t in sorted(diffs):
         diff, info = diffs[t], plan.tensors[t]
@@ -661,28 +590,24 @@ def verify(
         total_bytes=sum(w.nbytes for w in located.values()),
     )
     if against is not None:
-        table = scan(against, comm)
-        plan = agree(comm, lambda: build_plan(table, comm.size, dtype=dtype))
-        comparable, more = _against_checks(plan, against, output_dir, listing, results, located)
+        scanned = scan(against, comm)
+        layout = agree(comm, lambda: build_layout(scanned.files, scanned.names, scanned.facts, comm.size, dtype=dtype))
+        part = distribute(comm, scanned, layout)
+        comparable, more = _against_checks(layout, against, output_dir, listing, results, located)
         problems += more
-        # Shards on a shared filesystem: the plan's byte-balanced rows. Node-local shards (``{rank}`` in
-        # the path, or different listings per node): whole tensors to ranks that can read them.
-        holders = getattr(table, "holders", None)
-        shard_dir = getattr(table, "directory", "") or against
-        work = plan.work if holders is None else agree(comm, lambda: _local_work(plan, holders, comparable, comm.size))
         shares = agree(
             comm,
-            lambda: _compare_share(plan, work[comm.rank], shard_dir, output_dir, located, comparable, buffer_size),
+            lambda: _compare_share(comm, scanned, layout, part, output_dir, located, comparable, buffer_size),
             gather=True,
         )
         diffs: dict[int, _Diff] = {}
         for share in shares:
             for t, diff in share.items():
                 diffs.setdefault(t, _Diff()).merge(diff)
-        problems += _diff_problems(plan, output_dir, located, diffs)
-        report.shard_tensors = len(plan.tensors)
+        problems += _diff_problems(layout, output_dir, located, diffs)
+        report.shard_tensors = len(layout.tensors)
         report.compared_tensors = len(comparable)
-        report.compared_bytes = sum(plan.tensors[t].nbytes for t in comparable)
+        report.compared_bytes = sum(layout.tensors[t].nbytes for t in comparable)
     report.problems = sorted(problems, key=lambda p: (p.path, p.tensor or "", p.what))
     return report
 

@@ -3,7 +3,7 @@
 Each case copies a real torch-written checkpoint, breaks one thing, and runs the command line
 under ``mpiexec`` at 1 and 3 ranks. At 3 ranks rank r reads files r, r+3, ... of the sorted list,
 so the broken file is chosen to be read by a rank other than 0: its error must still end every
-rank. The last part fuzzes ``scan.read_table`` (and the plan built from it) with mutated
+rank. The last part fuzzes ``table.read_table`` (and the plan built from it) with mutated
 ``DCP_SHARDING_INFO``.
 """
 
@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from helpers import FIXTURES, mpirun, reference_bytes
 from mpicons.errors import InputError
 from mpicons.plan import build_plan
-from mpicons.scan import read_table
+from mpicons.table import read_table
 
 SOURCE = FIXTURES / "edge-3ranks" / "sharded"
 MAPPING = FIXTURES / "edge-3ranks" / "expected" / "mapping.json"
@@ -457,7 +457,7 @@ def test_read_table_and_plan_survive_any_sharding_info(fuzz_dir: Path, info: str
     except InputError as exc:
         assert str(exc).startswith(str(fuzz_dir / name) + ": ")
         return
-    assert table.num_pieces == len(TENSORS)
+    assert len(table.pieces) == len(TENSORS)
     try:
         plan = build_plan(table, 2)
     except InputError:

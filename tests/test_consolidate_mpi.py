@@ -28,7 +28,7 @@ def test_fixture_consolidates_to_reference_bytes(fixture, split, io, mpi_tmp_pat
     result = mpicons.consolidate(FIXTURES / fixture / "sharded", out, comm=comm, split=split, io=io, buffer_size=1 << 16)
     expected, mapping = fixture_expected(fixture)
     assert result.total_bytes == sum(len(d) for _, _, d in expected.values())
-    assert sum(result.plan.bytes_per_rank()) == result.total_bytes
+    assert sum(result.bytes_per_rank) == result.total_bytes
     assert_consolidated(out, expected, index_weight_map(mapping))
 
 

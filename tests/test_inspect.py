@@ -135,7 +135,7 @@ def test_per_rank_work_is_what_consolidate_does(fixture, split, mpi_tmp_path):
     comm = MPI.COMM_WORLD
     report = _inspect(comm, FIXTURES / fixture / "sharded", split=split)
     result = mpicons.consolidate(FIXTURES / fixture / "sharded", mpi_tmp_path / "out", comm=comm, split=split)
-    plan = result.plan
+    plan = result.layout
     assert report.bytes_per_rank == plan.bytes_per_rank()
     assert [[(n, a, b) for n, a, b, _ in share.work] for share in report.per_rank] == [
         [(plan.tensors[i.tensor].name, i.row_begin, i.row_end) for i in items] for items in plan.work
@@ -163,7 +163,7 @@ def test_missing_shard_lists_every_hole(mpi_tmp_path):
         if np.prod(shape) > 0 and any(o + s < f for o, s, f in zip(offsets, shape, expected[name][1]))
     }
     assert holes
-    assert not report.ok and report.plan is None and report.per_rank == []
+    assert not report.ok and report.layout is None and report.per_rank == []
     assert {p.tensor for p in report.problems} == holes
     for problem in report.problems:
         assert f"tensor {problem.tensor!r}" in problem.what and ": hole:" in problem.what

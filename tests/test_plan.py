@@ -10,15 +10,15 @@ from hypothesis import strategies as st
 from mpicons.errors import InputError
 from mpicons.format import DTYPE_ORDER
 from mpicons.plan import build_plan, parse_mapping
-from mpicons.scan import PieceTable
+from mpicons.table import Pieces, Table, shard_files, to_storage_units
 
 Piece = tuple[str, str, str, list[int], list[int]]  # (file, tensor, dtype, offsets, shape)
 
 
-def make_table(pieces: list[Piece], file_index: dict[str, int] | None = None) -> PieceTable:
-    """A PieceTable built straight from a list of pieces (no files on disk)."""
+def make_table(pieces: list[Piece], file_index: dict[str, int] | None = None) -> Table:
+    """A whole-checkpoint table built straight from a list of pieces (no files on disk)."""
     files = sorted({p[0] for p in pieces})
-    names = list(dict.fromkeys(p[1] for p in pieces))
+    names = sorted({p[1] for p in pieces})
     width = max(1, max(len(p[4]) for p in pieces))
     shape = np.ones((len(pieces), width), dtype=np.int64)
     offset = np.zeros((len(pieces), width), dtype=np.int64)
@@ -26,22 +26,21 @@ def make_table(pieces: list[Piece], file_index: dict[str, int] | None = None) ->
         shape[i, : len(s)] = s
         offset[i, : len(o)] = o
     index = file_index or {f: 1 for f in files}
-    return PieceTable(
-        files=files,
-        file_size=np.zeros(len(files), dtype=np.int64),
-        file_data_start=np.zeros(len(files), dtype=np.int64),
-        file_out_index=np.array([index[f] for f in files], dtype=np.int32),
-        file_out_count=np.full(len(files), max(index.values()), dtype=np.int32),
-        file_is_dcp=np.ones(len(files), dtype=bool),
-        names=names,
-        piece_file=np.array([files.index(p[0]) for p in pieces], dtype=np.int32),
-        piece_tensor=np.array([names.index(p[1]) for p in pieces], dtype=np.int32),
-        piece_dtype=np.array([DTYPE_ORDER[p[2]] for p in pieces], dtype=np.int8),
-        piece_ndim=np.array([len(p[4]) for p in pieces], dtype=np.int8),
-        piece_shape=shape,
-        piece_offset=offset,
-        piece_begin=np.zeros(len(pieces), dtype=np.int64),
+    shard = shard_files(files, [0] * len(files), None)
+    shard.out_index[:] = [index[f] for f in files]
+    shard.out_count[:] = max(index.values())
+    shard.is_dcp[:] = True
+    table = Pieces(
+        tensor=np.array([names.index(p[1]) for p in pieces], dtype=np.int32),
+        file=np.array([files.index(p[0]) for p in pieces], dtype=np.int32),
+        dtype=np.array([DTYPE_ORDER[p[2]] for p in pieces], dtype=np.int8),
+        ndim=np.array([len(p[4]) for p in pieces], dtype=np.int8),
+        shape=shape,
+        offset=offset,
+        begin=np.zeros(len(pieces), dtype=np.int64),
+        holder=np.zeros(len(pieces), dtype=np.int32),
     )
+    return Table(shard, names, table, to_storage_units(table))
 
 
 def test_full_shape_is_the_max_extent_and_layout_is_reference_order():
@@ -83,10 +82,15 @@ def test_identical_replicas_count_once():
 
 
     def sources(plan):
-        return {t.name: plan.piece_file[plan.piece_start[i] : plan.piece_start[i + 1]].tolist() for i, t in enumerate(plan.tensors)}
+        # A piece crossing two ranks' rows is in both parts: the files kept, over all parts.
+        return {t.name: sorted({f for part in plan.parts for f in part.tensor_pieces(i).file.tolist()})
+                for i, t in enumerate(plan.tensors)}
 
-    kept = sources(build_plan(make_table(pieces), 2))
+    plan = build_plan(make_table(pieces), 2)
+    kept = sources(plan)
     assert kept["n"] == [0]  # one copy, the first file's
+    replicas = [part.replicas for part in plan.parts if part.replicas is not None]
+    assert sorted({f for r in replicas for f in r.file.tolist()}) == [0, 1, 2]  # every copy is compared
     assert sources(build_plan(make_table(pieces[::-1]), 2)) == kept  # whatever order the scan gathered rows in
 
 
@@ -170,6 +174,8 @@ def test_exact_tiling_plans_and_every_byte_is_written_once(tiling, ranks, split)
 @settings(max_examples=200, deadline=None)
 @given(tilings(), st.data())
 def test_dropping_a_piece_is_a_hole_and_shifting_one_is_an_overlap(tiling, data):
+    """Found whichever rank owns the rows: each rank checks the rows it owns (1 to 4 ranks)."""
+    ranks = data.draw(st.integers(1, 4))
     shape, pieces = tiling
     if len(pieces) < 2:
         return
@@ -178,14 +184,14 @@ def test_dropping_a_piece_is_a_hole_and_shifting_one_is_an_overlap(tiling, data)
     full_without = [max(o[d] + s[d] for _, _, _, o, s in without) for d in range(len(shape))]
     if full_without == shape:  # still the same extent: must be a hole
         with pytest.raises(InputError, match="hole"):
-            build_plan(make_table(without), 1)
+            build_plan(make_table(without), ranks)
     duplicate = list(pieces[victim])
     other = pieces[(victim + 1) % len(pieces)]
     moved = (duplicate[0], "t", "BF16", other[3], duplicate[4])
     fits = all(o + s <= n for o, s, n in zip(other[3], duplicate[4], shape))
     if fits and tuple(duplicate[4]) != tuple(other[4]):  # an identical box would be a replica
         with pytest.raises(InputError, match="overlap"):
-            build_plan(make_table(pieces + [moved]), 1)
+            build_plan(make_table(pieces + [moved]), ranks)
 
 
 @settings(max_examples=100, deadline=None)

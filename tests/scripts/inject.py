@@ -21,7 +21,7 @@ import time
 
 import mpicons.cli
 import mpicons.consolidation
-import mpicons.copy
+import mpicons.writer
 import mpicons.outdir
 
 fault, victim = sys.argv[1], int(sys.argv[2])
@@ -33,19 +33,19 @@ if fault == "fsize-limit":  # every rank: a 200 kB file-size limit
 
     resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY))
 elif fault == "slow-write":  # every rank: slow writes, so a signal can arrive mid-write
-    original_slow = mpicons.copy.Executor.write_item
+    original_slow = mpicons.writer.Writer._next_slot
 
-    def slow_write(self, item):
-        original_slow(self, item)
+    def slow_slot(self, size):
         time.sleep(0.05)
+        return original_slow(self, size)
 
-    mpicons.copy.Executor.write_item = slow_write
+    mpicons.writer.Writer._next_slot = slow_slot
 elif rank == victim:
     if fault == "write-oserror":
-        def failing_run(self, items):
+        def failing_run(self):
             raise OSError(5, "Input/output error (injected)", "/injected/path")
 
-        mpicons.copy.Executor.run = failing_run
+        mpicons.writer.Writer.run = failing_run
     elif fault == "bug-after-write":
         def failing_stats(*a, **k):
             raise RuntimeError("injected bug outside an agreed phase")
@@ -58,23 +58,20 @@ elif rank == victim:
             raise OSError(5, "Input/output error (injected)", self.path(file))
 
         mpicons.io.SourceFiles.read_into = failing_read
-    elif fault == "kill-write":
-        original = mpicons.copy.Executor.write_item
+    elif fault in ("kill-write", "signal-write"):  # as the rank starts its first block
+        original = mpicons.writer.Writer._next_slot
+        calls = []
 
-        def killing_write(self, item):
-            original(self, item)
-            os.kill(os.getpid(), signal.SIGKILL)
+        def stopping_slot(self, size):
+            calls.append(size)
+            if len(calls) == 1:
+                if fault == "kill-write":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(30)
+            return original(self, size)
 
-        mpicons.copy.Executor.write_item = killing_write
-    elif fault == "signal-write":
-        original = mpicons.copy.Executor.write_item
-
-        def signalled_write(self, item):
-            original(self, item)
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(30)
-
-        mpicons.copy.Executor.write_item = signalled_write
+        mpicons.writer.Writer._next_slot = stopping_slot
     elif fault.startswith("publish-"):
         _, step, how = fault.split("-", 2)
         step = step.replace("_", " ")

@@ -1,0 +1,503 @@
+"""The geometry engine: placing pieces into output blocks, with cost per block, not per piece.
+
+A rank's rows are cut into **blocks**: contiguous stretches of one output file of at most a few
+MB, each made of **segments** (rows of one tensor). For a block the engine computes, with numpy
+over all the pieces that cross it at once, the **runs**: contiguous byte ranges that go from a
+shard file to a place in the block (a row-cut piece is one run; a column-cut piece one run per
+row). The runs are coalesced into one large read per contiguous region of each shard file (the
+pieces of consecutive tensors sit together in a shard), and placed into the block by one numpy
+gather. Conversion (``--dtype``) then turns the block into output bytes. Writing the block, or
+comparing it (``verify``), or sending portions of it (node-local shards) is the caller's business:
+this module only knows geometry.
+
+A piece that is large, contiguous in the output and unconverted (row-sharded matrices) is not
+assembled at all: it is copied file to file (:data:`DIRECT_MIN`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .convert import convert, numpy_dtype
+from .plan import Layout, Part, Tensor, WorkItem
+from .table import Pieces
+
+#: A contiguous, unconverted piece at least this large is copied file to file instead of assembled.
+DIRECT_MIN = 1 << 20
+#: Runs at least this long are copied one by one; shorter ones by one gather per block.
+LONG_RUN = 16 << 10
+#: Shard reads of one block merge across gaps up to this size (less seeking, some bytes read twice).
+READ_GAP = 64 << 10
+#: Most runs one block may have; a block with more is split (bounds the index arrays).
+MAX_RUNS = 1 << 18
+#: Smallest useful block; keeps every storage unit (≤ 8 bytes) inside one block.
+MIN_BLOCK = 1 << 12
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[row_begin, row_end)`` along dimension ``len(prefix)`` of tensor ``tensor`` at index
+    ``prefix`` of the dimensions before it (``prefix`` is empty except for rows larger than a block)."""
+
+    tensor: int
+    row_begin: int
+    row_end: int
+    prefix: tuple[int, ...] = ()
+
+
+@dataclass
+class Block:
+    """Consecutive segments filling ``[offset, offset + size)`` of output file ``file``."""
+
+    file: int
+    offset: int
+    segments: list[Segment] = field(default_factory=list)
+    size: int = 0  # output bytes
+    source_size: int = 0  # the same rows in shard bytes (differs when converting)
+
+
+@dataclass(frozen=True)
+class Direct:
+    """Rows of one piece copied file to file: ``length`` bytes from ``src`` of shard ``file`` to ``offset`` of output ``out``."""
+
+    file: int
+    src: int
+    out: int
+    offset: int
+    length: int
+    holder: int = -1  # a rank that can read the shard file
+
+
+@dataclass
+class Runs:
+    """Byte ranges from shard files into a block: ``file``, ``src`` (absolute), ``dst`` (block, source layout),
+    ``length``, and ``holder``, a rank that can read the file (the one that read its header)."""
+
+    file: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    length: np.ndarray
+    holder: np.ndarray
+
+    FIELDS = ("file", "src", "dst", "length", "holder")
+
+    def __len__(self) -> int:
+        return len(self.file)
+
+    def take(self, index: np.ndarray) -> "Runs":
+        return Runs(*(getattr(self, n)[index] for n in self.FIELDS))
+
+    @classmethod
+    def concat(cls, parts: list["Runs"]) -> "Runs":
+        if not parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(empty, empty, empty, empty, empty)
+        return cls(*(np.concatenate([getattr(p, n) for p in parts]) for n in cls.FIELDS))
+
+
+# ---------------------------------------------------------------- sizes
+
+
+def _row_units(tensor: Tensor, level: int) -> int:
+    return int(np.prod(tensor.storage[level + 1 :], dtype=np.int64))
+
+
+def segment_bytes(layout: Layout, segment: Segment) -> tuple[int, int]:
+    """(source bytes, output bytes) of a segment."""
+    tensor = layout.tensors[segment.tensor]
+    units = (segment.row_end - segment.row_begin) * _row_units(tensor, len(segment.prefix))
+    return units * tensor.source_unit, units * tensor.unit
+
+
+def segment_offset(layout: Layout, segment: Segment) -> int:
+    """Where a segment starts in its output file."""
+    tensor = layout.tensors[segment.tensor]
+    linear = 0
+    for d, index in enumerate(segment.prefix):
+        linear += index * _row_units(tensor, d)
+    return tensor.offset + (linear + segment.row_begin * _row_units(tensor, len(segment.prefix))) * tensor.unit
+
+
+# ---------------------------------------------------------------- cutting a rank's rows into direct copies and blocks
+
+
+def direct_pieces(layout: Layout, part: Part, shared: bool = True) -> np.ndarray:
+    """Which of the part's pieces are copied file to file (vectorized): spanning the full trailing
+    dimensions, unconverted, and at least :data:`DIRECT_MIN` bytes."""
+    pieces = part.pieces
+    if not len(pieces):
+        return np.zeros(0, dtype=bool)
+    storage = np.array([t.storage for t in layout.tensors], dtype=np.int64).reshape(len(layout.tensors), -1)
+    converting = np.array([t.converting for t in layout.tensors], dtype=bool)
+    unit = np.array([t.source_unit for t in layout.tensors], dtype=np.int64)
+    full = np.all((pieces.shape[:, 1:] == storage[pieces.tensor, 1:]) & (pieces.offset[:, 1:] == 0), axis=1)
+    nbytes = np.prod(pieces.shape, axis=1) * unit[pieces.tensor]
+    return full & ~converting[pieces.tensor] & (nbytes >= DIRECT_MIN) & shared
+
+
+def plan_item(layout: Layout, part: Part, item: WorkItem, direct: np.ndarray) -> tuple[list[Direct], list[Segment]]:
+    """An item's rows: direct copies of its large contiguous pieces, and segments for everything else."""
+    lo, hi = int(part.start[item.tensor]), int(part.start[item.tensor + 1])
+    if not direct[lo:hi].any():
+        return [], [Segment(item.tensor, item.row_begin, item.row_end)]
+    tensor = layout.tensors[item.tensor]
+    row_bytes = tensor.row_bytes
+    copies, segments, row = [], [], item.row_begin
+    pieces = part.pieces
+    for i in range(lo, hi):  # only tensors with large pieces get here: few pieces
+        first = max(int(pieces.offset[i, 0]), item.row_begin)
+        last = min(int(pieces.offset[i, 0] + pieces.shape[i, 0]), item.row_end)
+        if not direct[i] or last <= first:
+            continue
+        if first > row:
+            segments.append(Segment(item.tensor, row, first))
+        copies.append(Direct(int(pieces.file[i]), int(pieces.begin[i]) + (first - int(pieces.offset[i, 0])) * row_bytes,
+                             tensor.file, tensor.offset + first * row_bytes, (last - first) * row_bytes, int(pieces.holder[i])))
+        row = last
+    if row < item.row_end:
+        segments.append(Segment(item.tensor, row, item.row_end))
+    return copies, segments
+
+
+def split_segment(layout: Layout, segment: Segment, block_bytes: int) -> Iterator[Segment]:
+    """A segment cut into pieces of at most ``block_bytes`` (source and output), recursing into a dimension
+    when a single row is larger than that."""
+    tensor = layout.tensors[segment.tensor]
+    level = len(segment.prefix)
+    row = _row_units(tensor, level) * max(tensor.unit, tensor.source_unit)
+    if row <= block_bytes:
+        step = max(1, block_bytes // max(1, row))
+        for begin in range(segment.row_begin, segment.row_end, step):
+            yield Segment(segment.tensor, begin, min(segment.row_end, begin + step), segment.prefix)
+        return
+    for index in range(segment.row_begin, segment.row_end):
+        inner = Segment(segment.tensor, 0, tensor.storage[level + 1], (*segment.prefix, index))
+        yield from split_segment(layout, inner, block_bytes)
+
+
+def blocks(layout: Layout, segments: list[Segment], block_bytes: int) -> Iterator[Block]:
+    """Segments (in output order) grouped into blocks of consecutive output bytes, at most ``block_bytes``."""
+    current: Block | None = None
+    for whole in segments:
+        for segment in split_segment(layout, whole, block_bytes):
+            source, size = segment_bytes(layout, segment)
+            file = layout.tensors[segment.tensor].file
+            offset = segment_offset(layout, segment)
+            if current is None or current.file != file or current.offset + current.size != offset or \
+                    max(current.size + size, current.source_size + source) > block_bytes:
+                if current is not None:
+                    yield current
+                current = Block(file, offset)
+            current.segments.append(segment)
+            current.size += size
+            current.source_size += source
+    if current is not None:
+        yield current
+
+
+# ---------------------------------------------------------------- runs: pieces placed in a block, vectorized
+
+
+def _pairs(layout: Layout, part: Part, block: Block) -> tuple[np.ndarray, ...]:
+    """(segment, piece) pairs of a block of whole-row segments, with the rows each piece gives."""
+    seg_tensor = np.array([s.tensor for s in block.segments], dtype=np.int64)
+    seg_low = np.array([s.row_begin for s in block.segments], dtype=np.int64)
+    seg_high = np.array([s.row_end for s in block.segments], dtype=np.int64)
+    counts = part.start[seg_tensor + 1] - part.start[seg_tensor]
+    segment = np.repeat(np.arange(len(block.segments)), counts)
+    piece = np.repeat(part.start[seg_tensor], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    low = np.maximum(part.pieces.offset[piece, 0], seg_low[segment])
+    high = np.minimum(part.pieces.offset[piece, 0] + part.pieces.shape[piece, 0], seg_high[segment])
+    keep = high > low
+    return segment[keep], piece[keep], low[keep], high[keep], seg_low
+
+
+def runs_of(layout: Layout, part: Part, block: Block) -> Runs:
+    """Every run of a block, computed with numpy over all its (segment, piece) pairs."""
+    if any(s.prefix for s in block.segments):
+        return Runs.concat([_prefixed_runs(layout, part, block, i) for i in range(len(block.segments))])
+    segment, piece, low, high, seg_low = _pairs(layout, part, block)
+    sizes = np.array([segment_bytes(layout, s)[0] for s in block.segments], dtype=np.int64)
+    base = np.cumsum(sizes) - sizes
+    pieces = part.pieces
+    tensor_ids = pieces.tensor[piece]
+    storage = np.array([t.storage for t in layout.tensors], dtype=np.int64).reshape(len(layout.tensors), -1)
+    unit = np.array([t.source_unit for t in layout.tensors], dtype=np.int64)
+    return _runs(storage[tensor_ids], pieces.offset[piece], pieces.shape[piece], pieces.file[piece].astype(np.int64),
+                 pieces.begin[piece], unit[tensor_ids], low, high, seg_low[segment], base[segment],
+                 pieces.holder[piece].astype(np.int64))
+
+
+def _prefixed_runs(layout: Layout, part: Part, block: Block, index: int) -> Runs:
+    """Runs of one segment inside a row too large for a block: pieces holding the prefix, the box below it."""
+    segment = block.segments[index]
+    sizes = [segment_bytes(layout, s)[0] for s in block.segments]
+    base = sum(sizes[:index])
+    level = len(segment.prefix)
+    tensor = layout.tensors[segment.tensor]
+    pieces = part.tensor_pieces(segment.tensor)
+    prefix = np.array(segment.prefix, dtype=np.int64)
+    holds = np.all((pieces.offset[:, :level] <= prefix) & (prefix < pieces.offset[:, :level] + pieces.shape[:, :level]), axis=1)
+    holds &= (pieces.offset[:, level] < segment.row_end) & (pieces.offset[:, level] + pieces.shape[:, level] > segment.row_begin)
+    chosen = pieces.take(np.flatnonzero(holds))
+    n = len(chosen)
+    if not n:
+        return Runs.concat([])
+    # Linear index of the prefix inside each piece's own box (C order), in units.
+    inner = np.ones((n, chosen.width + 1), dtype=np.int64)
+    inner[:, :-1] = np.cumprod(chosen.shape[:, ::-1], axis=1)[:, ::-1]
+    local = ((prefix - chosen.offset[:, :level]) * inner[:, 1 : level + 1]).sum(axis=1)
+    begin = chosen.begin + local * tensor.source_unit
+    storage = np.tile(np.array(tensor.storage[level:], dtype=np.int64), (n, 1))
+    low = np.maximum(chosen.offset[:, level], segment.row_begin)
+    high = np.minimum(chosen.offset[:, level] + chosen.shape[:, level], segment.row_end)
+    return _runs(storage, chosen.offset[:, level:], chosen.shape[:, level:], chosen.file.astype(np.int64), begin,
+                 np.full(n, tensor.source_unit, dtype=np.int64), low, high, np.full(n, segment.row_begin, dtype=np.int64),
+                 np.full(n, base, dtype=np.int64), chosen.holder.astype(np.int64))
+
+
+def _runs(storage: np.ndarray, offset: np.ndarray, shape: np.ndarray, file: np.ndarray, begin: np.ndarray,
+          unit: np.ndarray, low: np.ndarray, high: np.ndarray, seg_low: np.ndarray, base: np.ndarray,
+          holder: np.ndarray) -> Runs:
+    """Runs of pieces (one row each) restricted to rows ``[low, high)`` of dimension 0.
+
+    Dimensions after the innermost one a piece does not span in full are contiguous in both the
+    piece and the output: one run per index of the dimensions between 0 and that one.
+    """
+    width = storage.shape[1]
+    if width > 1:
+        partial = (shape[:, 1:] != storage[:, 1:]) | (offset[:, 1:] != 0)
+        innermost = np.where(partial.any(axis=1), width - 1 - np.argmax(partial[:, ::-1], axis=1), 0)
+    else:
+        innermost = np.zeros(len(file), dtype=np.int64)
+    # Units per step of each dimension, in the piece's own box and in the full tensor.
+    piece_step = np.ones_like(shape)
+    full_step = np.ones_like(storage)
+    for d in range(width - 2, -1, -1):
+        piece_step[:, d] = piece_step[:, d + 1] * shape[:, d + 1]
+        full_step[:, d] = full_step[:, d + 1] * storage[:, d + 1]
+    out = []
+    for k in np.unique(innermost):
+        rows = np.flatnonzero(innermost == k)
+        k = int(k)
+        if k == 0:  # the piece spans every trailing dimension: its rows are one run
+            src_units = (low[rows] - offset[rows, 0]) * piece_step[rows, 0]
+            dst_units = (low[rows] - seg_low[rows]) * full_step[rows, 0]
+            u = unit[rows]
+            out.append(Runs(file[rows], begin[rows] + src_units * u, base[rows] + dst_units * u,
+                            (high[rows] - low[rows]) * full_step[rows, 0] * u, holder[rows]))
+            continue
+        count = (high[rows] - low[rows]) * np.prod(shape[rows, 1:k], axis=1)
+        pair = np.repeat(rows, count)
+        q = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+        src_units = np.zeros(len(q), dtype=np.int64)
+        dst_units = offset[pair, k] * full_step[pair, k]
+        for d in range(k - 1, 0, -1):
+            index = q % shape[pair, d]
+            q //= shape[pair, d]
+            src_units += index * piece_step[pair, d]
+            dst_units += (offset[pair, d] + index) * full_step[pair, d]
+        row = low[pair] + q
+        src_units += (row - offset[pair, 0]) * piece_step[pair, 0]
+        dst_units += (row - seg_low[pair]) * full_step[pair, 0]
+        u = unit[pair]
+        out.append(Runs(file[pair], begin[pair] + src_units * u, base[pair] + dst_units * u,
+                        shape[pair, k] * full_step[pair, k] * u, holder[pair]))
+    return Runs.concat(out)
+
+
+def count_runs(layout: Layout, part: Part, block: Block) -> int:
+    """How many runs a block has, without making them for whole-row segments (to split blocks with too many)."""
+    if any(s.prefix for s in block.segments):
+        return len(runs_of(layout, part, block))
+    segment, piece, low, high, _ = _pairs(layout, part, block)
+    pieces = part.pieces
+    storage = np.array([t.storage for t in layout.tensors], dtype=np.int64).reshape(len(layout.tensors), -1)
+    shape, offset, full = pieces.shape[piece], pieces.offset[piece], storage[pieces.tensor[piece]]
+    width = full.shape[1]
+    if width == 1:
+        return len(piece)
+    partial = (shape[:, 1:] != full[:, 1:]) | (offset[:, 1:] != 0)
+    innermost = np.where(partial.any(axis=1), width - 1 - np.argmax(partial[:, ::-1], axis=1), 0)
+    per_row = np.ones(len(piece), dtype=np.int64)
+    for d in range(1, width):
+        per_row *= np.where(d < innermost, shape[:, d], 1)
+    return int(np.where(innermost == 0, 1, (high - low) * per_row).sum())
+
+
+# ---------------------------------------------------------------- reading and placing
+
+
+@dataclass
+class Reads:
+    """Coalesced shard reads of a block: ``file``, ``src``, ``length``, and where each lands in the source buffer."""
+
+    file: np.ndarray
+    src: np.ndarray
+    length: np.ndarray
+    position: np.ndarray
+
+    @property
+    def total(self) -> int:
+        return int(self.length.sum())
+
+
+def coalesce(runs: Runs, budget: int) -> tuple[Reads, np.ndarray]:
+    """Merge runs into reads per contiguous shard region (across gaps up to :data:`READ_GAP` while the gap
+    bytes stay within ``budget``); returns the reads and each run's position in the concatenated reads."""
+    order = np.lexsort((runs.src, runs.file))
+    file, src, end = runs.file[order], runs.src[order], runs.src[order] + runs.length[order]
+    reach = np.maximum.accumulate(end) if len(end) else end
+    gap = np.zeros(len(order), dtype=np.int64)
+    new = np.ones(len(order), dtype=bool)
+    if len(order) > 1:
+        gap[1:] = src[1:] - reach[:-1]
+        new[1:] = (file[1:] != file[:-1]) | (gap[1:] > READ_GAP)
+        # Merging across gaps costs the gap bytes: keep the smallest gaps within the budget.
+        bridged = np.flatnonzero(~new & (gap > 0))
+        if len(bridged):
+            by_size = bridged[np.argsort(gap[bridged], kind="stable")]
+            too_much = by_size[np.cumsum(gap[by_size]) > budget]
+            new[too_much] = True
+    read_id = np.cumsum(new) - 1
+    starts = np.flatnonzero(new)
+    read_src = src[starts]
+    read_end = np.maximum.reduceat(end, starts) if len(starts) else end
+    length = read_end - read_src
+    position = np.cumsum(length) - length
+    placed = np.empty(len(order), dtype=np.int64)
+    placed[order] = position[read_id] + (src - read_src[read_id])
+    return Reads(file[starts], read_src, length, position), placed
+
+
+def _gcd_unit(*arrays: np.ndarray) -> int:
+    unit = int(np.gcd.reduce(np.concatenate([a.astype(np.int64) for a in arrays]))) if len(arrays[0]) else 1
+    unit = unit & -unit if unit else 1  # a power of two, so numpy has a type for it
+    return min(unit, 1 << 12)
+
+
+def _view(buffer: np.ndarray, unit: int) -> np.ndarray:
+    usable = buffer[: len(buffer) // unit * unit]
+    return usable.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(unit, np.dtype((np.void, unit))))
+
+
+def place(source: np.ndarray, positions: np.ndarray, target: np.ndarray, runs: Runs) -> None:
+    """``target[dst:dst+length] = source[position:position+length]`` for every run: long runs one by one,
+    short ones in one numpy gather (in chunks of at most :data:`MAX_RUNS` index entries)."""
+    long = runs.length >= LONG_RUN
+    for s, d, n in zip(positions[long].tolist(), runs.dst[long].tolist(), runs.length[long].tolist()):
+        target[d : d + n] = source[s : s + n]
+    short = np.flatnonzero(~long)
+    if not len(short):
+        return
+    pos, dst, length = positions[short], runs.dst[short], runs.length[short]
+    unit = _gcd_unit(pos, dst, length)
+    counts = length // unit
+    src_view, dst_view = _view(source, unit), _view(target, unit)
+    order = np.argsort(dst, kind="stable")
+    pos, dst, counts = pos[order] // unit, dst[order] // unit, counts[order]
+    contiguous = bool(np.all(dst[1:] == dst[:-1] + counts[:-1]))
+    done = 0
+    while done < len(counts):  # chunks of whole runs, at most MAX_RUNS units each (a longer run alone)
+        cum = np.cumsum(counts[done:])
+        stop = done + max(1, int(np.searchsorted(cum, MAX_RUNS, side="right")))
+        c = counts[done:stop]
+        n = int(c.sum())
+        within = np.arange(n) - np.repeat(np.cumsum(c) - c, c)
+        gather = np.repeat(pos[done:stop], c) + within
+        if contiguous:
+            start = int(dst[done])
+            np.take(src_view, gather, out=dst_view[start : start + n])
+        else:
+            dst_view[np.repeat(dst[done:stop], c) + within] = src_view[gather]
+        done = stop
+
+
+# ---------------------------------------------------------------- the assembler
+
+
+class Assembler:
+    """Assembles blocks of a part in bounded buffers: shard bytes read through ``read``, placed, converted.
+
+    ``read(file, offset, target)`` fills ``target`` from a shard file. The buffers grow only for a
+    block larger than planned (a row of one unit bigger than a block): memory stays within about
+    four blocks plus the index arrays of :data:`MAX_RUNS` runs.
+    """
+
+    def __init__(self, layout: Layout, part: Part, block_bytes: int, read: Callable[[int, int, memoryview], None]) -> None:
+        self.layout = layout
+        self.part = part
+        self.block_bytes = block_bytes
+        self.read = read
+        self.source = np.empty(block_bytes + block_bytes // 4, dtype=np.uint8)
+        self.assembled = np.empty(block_bytes, dtype=np.uint8)
+        self.converting = any(t.converting for t in layout.tensors)
+
+    def split(self, block: Block) -> list[Block]:
+        """The block, or smaller blocks when it has more than :data:`MAX_RUNS` runs (tiny pieces, many cuts)."""
+        if max(block.source_size, block.size) <= MIN_BLOCK or count_runs(self.layout, self.part, block) <= MAX_RUNS:
+            return [block]
+        smaller = max(MIN_BLOCK, max(block.source_size, block.size) // 2)
+        return [b for half in blocks(self.layout, block.segments, smaller) for b in self.split(half)]
+
+    def runs(self, block: Block) -> Runs:
+        return runs_of(self.layout, self.part, block)
+
+    def target(self, block: Block, output: np.ndarray) -> np.ndarray:
+        """Where the block's runs are placed: ``output`` itself, or the assembly buffer when converting."""
+        return output if not self.converting else self._grow("assembled", block.source_size)
+
+    def fill(self, runs: Runs, target: np.ndarray) -> None:
+        """Read the runs' shard bytes (coalesced) and place them in ``target``."""
+        if not len(runs):
+            return
+        reads, positions = coalesce(runs, self.block_bytes // 4)
+        source = self._grow("source", reads.total)
+        for f, s, n, p in zip(reads.file.tolist(), reads.src.tolist(), reads.length.tolist(), reads.position.tolist()):
+            self.read(f, s, memoryview(source[p : p + n]))
+        place(source, positions, target, runs)
+
+    def finish(self, block: Block, target: np.ndarray, output: np.ndarray) -> np.ndarray:
+        """The block's output bytes (converted from ``target`` when converting)."""
+        if self.converting:
+            self._convert(block, target, output)
+        return output[: block.size]
+
+    def assemble(self, block: Block, output: np.ndarray) -> np.ndarray:
+        """The block's output bytes in ``output[:block.size]``."""
+        target = self.target(block, output)
+        self.fill(self.runs(block), target)
+        return self.finish(block, target, output)
+
+    def _grow(self, name: str, size: int) -> np.ndarray:
+        buffer: np.ndarray = getattr(self, name)
+        if len(buffer) < size:
+            buffer = np.empty(size, dtype=np.uint8)
+            setattr(self, name, buffer)
+        return buffer
+
+    def _convert(self, block: Block, assembled: np.ndarray, output: np.ndarray) -> None:
+        position_in = position_out = 0
+        for segment in block.segments:
+            tensor = self.layout.tensors[segment.tensor]
+            size_in, size_out = segment_bytes(self.layout, segment)
+            source = assembled[position_in : position_in + size_in]
+            target = output[position_out : position_out + size_out]
+            if tensor.converting:
+                convert(source.view(numpy_dtype(tensor.source_dtype)), target.view(numpy_dtype(tensor.dtype)))
+            else:
+                target[:] = source
+            position_in += size_in
+            position_out += size_out
+
+
+def block_budget(buffer_size: int, slots: int) -> int:
+    """Block size such that ``slots`` output buffers, the source buffer and the assembly buffer fit ``buffer_size``."""
+    return max(MIN_BLOCK, buffer_size // (slots + 3))
+
+
+__all__ = ["Segment", "Block", "Direct", "Runs", "Assembler", "plan_item", "blocks", "direct_pieces", "runs_of",
+           "coalesce", "place", "segment_bytes", "segment_offset", "block_budget"]

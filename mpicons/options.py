@@ -1,0 +1,88 @@
+"""One options object for ``consolidate``, ``inspect`` and the command line (no MPI here)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Mapping
+
+from .convert import TARGETS
+from .errors import InputError
+
+DEFAULT_BUFFER_SIZE = 32 << 20
+SPLITS = ("bytes", "files")
+BACKENDS = ("posix", "mpiio")
+FORMATS = ("safetensors", "hdf5")
+
+
+
+@dataclass(frozen=True)
+class Options:
+    """How a consolidation runs. Every field is also a command-line option (``--buffer-size`` for
+    ``buffer_size``, and so on); the defaults are the command line's."""
+
+    mapping: str | os.PathLike[str] | Mapping[str, object] | None = None
+    """Which tensor goes to which output file: a path to JSON or the parsed object, either torch's
+    ``fqn_to_index_mapping`` (``{name: index}``) or a Hugging Face index (``{"weight_map": {name: file}}``).
+    None: from the shard names (DCP), or each tensor stays in its file (plain safetensors)."""
+    split: str = "bytes"
+    """How work is divided: ``bytes`` gives every rank an equal stretch of output bytes, cut at row
+    boundaries; ``files`` deals whole output files round-robin (torch's policy)."""
+    io: str = "posix"
+    """Output backend: ``posix`` (pwrite, ``copy_file_range``) or ``mpiio`` (``MPI.File``, ``Write_at``)."""
+    buffer_size: int = DEFAULT_BUFFER_SIZE
+    """Bytes of buffers per rank for assembling blocks; memory per rank stays near this plus the
+    rank's part of the plan, whatever the tensor sizes. Checked against the node's memory up front."""
+    hints: Mapping[str, str] = field(default_factory=dict)
+    """MPI-IO hints for ``io="mpiio"`` (e.g. ``{"striping_factor": "16"}``); applied when the files are created."""
+    force: bool = False
+    """Replace a checkpoint already in the output directory (its files the new index does not name go too)."""
+    break_lock: bool = False
+    """Take over an output directory whose lock is held by a run that cannot be proven dead."""
+    progress: float | None = None
+    """Seconds between progress reports on rank 0's standard error (a bar on a watched terminal); None: silent."""
+    verbose: bool = False
+    """Progress lines name the slowest rank."""
+    dtype: str | None = None
+    """``bf16``, ``fp16`` or ``fp32``: convert floating-point tensors (round to nearest even); None: as saved."""
+    max_shard_size: int | None = None
+    """Re-shard like Hugging Face: files filled in order up to this many bytes (``5GB`` = 5·10⁹)."""
+    output_format: str = "safetensors"
+    """``safetensors`` (Hugging Face files and index) or ``hdf5`` (one ``model.h5``; needs h5py)."""
+    gather_to: int | None = None
+    """Write every output on this rank only (its local output directory); data moves over MPI."""
+    sync: bool = True
+    """Flush outputs to stable storage before publishing them (``False``: faster, not power-loss safe)."""
+
+    def check(self, ranks: int) -> None:
+        """Refuse options that are wrong whatever the checkpoint (the same on every rank)."""
+        if self.output_format not in FORMATS:
+            raise InputError(f"unknown output format {self.output_format!r} (choose from {', '.join(FORMATS)})")
+        if self.split not in SPLITS:
+            raise InputError(f"unknown split {self.split!r} (choose from {', '.join(SPLITS)})")
+        if self.io not in BACKENDS:
+            raise InputError(f"unknown I/O backend {self.io!r} (choose from {', '.join(BACKENDS)})")
+        if self.dtype is not None and self.dtype not in TARGETS:
+            raise InputError(f"unknown --dtype {self.dtype!r} (choose from {', '.join(TARGETS)})")
+        if self.buffer_size <= 0:
+            raise InputError(f"--buffer-size must be positive (got {self.buffer_size})")
+        if self.max_shard_size is not None and self.max_shard_size <= 0:
+            raise InputError(f"--max-shard-size must be positive (got {self.max_shard_size})")
+        if self.mapping is not None and self.max_shard_size is not None:
+            raise InputError("--mapping and --max-shard-size both decide the output files: give one")
+        if self.gather_to is not None:
+            if not 0 <= self.gather_to < ranks:
+                raise InputError(f"--gather-to {self.gather_to}: no such rank (the job has {ranks})")
+            if self.io != "posix":
+                raise InputError("--gather-to writes on one rank's local disk: use --io posix")
+
+    def with_changes(self, **changes: Any) -> "Options":
+        """A copy with some fields changed; unknown names are an error (a misspelt keyword argument)."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise TypeError(f"unknown option {unknown[0]!r} (options: {', '.join(sorted(known))})")
+        return replace(self, **changes)
+
+
+__all__ = ["Options", "DEFAULT_BUFFER_SIZE", "SPLITS", "BACKENDS", "FORMATS"]

@@ -1,0 +1,486 @@
+"""Shard files and their pieces as numpy columns; reading headers into them (no MPI here).
+
+A *piece* is one header entry of one shard file: a box of a tensor (``offset``, ``shape``) stored
+contiguously at ``begin``. Headers are parsed with one ``json.loads`` each and turned into columns
+with a handful of list comprehensions and numpy; validation is vectorized. Only a header that
+fails the fast checks is parsed again entry by entry, to say exactly what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import struct
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import numpy as np
+
+from .errors import InputError
+from .format import DTYPE_ORDER, DTYPES, MAX_DIM, MAX_HEADER_SIZE, parse_header
+
+#: ``shard-RRRRR-model-IIIII-of-NNNNN.safetensors`` as torch's HuggingFaceStorageWriter names them.
+DCP_SHARD_NAME = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
+SHARDING_KEY = "DCP_SHARDING_INFO"
+#: Largest training rank, file index or file count a shard name may carry (stored as int32).
+MAX_SHARD_NUMBER = 2**31 - 1
+_BITS = np.array([d.bits for d in DTYPES], dtype=np.int64)
+
+
+def shard_file_name(rank: int, index: int, count: int) -> str:
+    """The name torch's HuggingFaceStorageWriter gives training rank ``rank``'s part of output file ``index``."""
+    return f"shard-{rank:05d}-model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def parse_shard_name(name: str) -> tuple[int, int, int] | None:
+    """(training rank, output index, output count) of a DCP shard name, None for other names."""
+    match = DCP_SHARD_NAME.match(name)
+    return None if match is None else (int(match.group(1)), int(match.group(2)), int(match.group(3)))
+
+
+# ---------------------------------------------------------------- the columns
+
+
+@dataclass
+class ShardFiles:
+    """Every input file, in sorted name order (file id = position); the same on every rank."""
+
+    names: list[str]
+    size: np.ndarray  # int64[F]
+    data_start: np.ndarray  # int64[F]
+    out_index: np.ndarray  # int32[F], -1 when not named like a DCP shard
+    out_count: np.ndarray  # int32[F]
+    train_rank: np.ndarray  # int32[F], -1 when not named like a DCP shard
+    is_dcp: np.ndarray  # bool[F], its header carries DCP_SHARDING_INFO
+    #: Ranks that can read each file; None when every rank can (a shared filesystem).
+    holders: list[np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+@dataclass
+class Pieces:
+    """Pieces as columns. Shapes and offsets are padded to a common width with 1s / 0s (the C-order
+    layout is unchanged); ``ndim`` keeps each piece's true rank. ``holder`` is the rank that read
+    the piece's header (it can read the file)."""
+
+    tensor: np.ndarray  # int32[P]
+    file: np.ndarray  # int32[P]
+    dtype: np.ndarray  # int8[P], index into format.DTYPES
+    ndim: np.ndarray  # int8[P]
+    shape: np.ndarray  # int64[P, D]
+    offset: np.ndarray  # int64[P, D]
+    begin: np.ndarray  # int64[P], absolute byte offset in its file
+    holder: np.ndarray  # int32[P]
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+    @property
+    def width(self) -> int:
+        return int(self.shape.shape[1])
+
+    def take(self, index: np.ndarray | slice) -> "Pieces":
+        return Pieces(*(getattr(self, f.name)[index] for f in fields(self)))
+
+    def widened(self, width: int) -> "Pieces":
+        """The same pieces padded to ``width`` dimensions."""
+        if width == self.width:
+            return self
+        shape = np.ones((len(self), width), dtype=np.int64)
+        offset = np.zeros((len(self), width), dtype=np.int64)
+        shape[:, : self.width] = self.shape
+        offset[:, : self.width] = self.offset
+        return Pieces(self.tensor, self.file, self.dtype, self.ndim, shape, offset, self.begin, self.holder)
+
+    @classmethod
+    def empty(cls, width: int = 1) -> "Pieces":
+        return cls(
+            np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int8), np.zeros(0, np.int8),
+            np.zeros((0, width), np.int64), np.zeros((0, width), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32),
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence["Pieces"], width: int | None = None) -> "Pieces":
+        width = max([width or 1] + [p.width for p in parts])
+        parts = [p.widened(width) for p in parts if len(p)] or [cls.empty(width)]
+        return cls(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+
+    # -- fixed-size records, for moving pieces between ranks in one message
+
+    @staticmethod
+    def record_dtype(width: int) -> np.dtype:
+        return np.dtype([("tensor", "<i4"), ("file", "<i4"), ("holder", "<i4"), ("dtype", "i1"), ("ndim", "i1"),
+                         ("begin", "<i8"), ("shape", "<i8", (width,)), ("offset", "<i8", (width,))])
+
+    def to_records(self) -> np.ndarray:
+        records = np.empty(len(self), dtype=self.record_dtype(self.width))
+        for name in records.dtype.names or ():
+            records[name] = getattr(self, name)
+        return records
+
+    @classmethod
+    def from_records(cls, records: np.ndarray) -> "Pieces":
+        width = records.dtype["shape"].shape[0]
+        return cls(
+            records["tensor"].copy(), records["file"].copy(), records["dtype"].copy(), records["ndim"].copy(),
+            records["shape"].reshape(len(records), width).copy(), records["offset"].reshape(len(records), width).copy(),
+            records["begin"].copy(), records["holder"].copy(),
+        )
+
+
+# ---------------------------------------------------------------- reading headers
+
+
+@dataclass
+class _Parsed:
+    """One file's header as columns; ``names`` in header order, ``tensor`` indexes them."""
+
+    names: list[str]
+    dtype: np.ndarray
+    ndim: np.ndarray
+    shape: list[list[int]]
+    offset: list[list[int]]
+    begin: np.ndarray
+    data_start: int
+    is_dcp: bool
+
+
+def _read_raw(path: str) -> tuple[bytes, int]:
+    """The header bytes of the file at ``path`` and the file's size."""
+    try:
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            prefix = handle.read(8)
+            if len(prefix) < 8:
+                raise InputError(f"{path}: file is {size} bytes, too short for a safetensors header")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER_SIZE:
+                raise InputError(
+                    f"{path}: header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes (not a safetensors file?)"
+                )
+            if 8 + length > size:
+                raise InputError(
+                    f"{path}: header length {length} runs past the end of the {size}-byte file (truncated, or not a safetensors file?)"
+                )
+            raw = handle.read(length)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+    if len(raw) != length:
+        raise InputError(f"{path}: file shrank while its header was read")
+    return raw, size
+
+
+def _only_ints(values: object) -> bool:
+    return set(map(type, values)) <= {int}  # type: ignore[call-overload]
+
+
+def _fast(raw: bytes, size: int, dcp_name: bool) -> _Parsed | None:
+    """Columns of a well-formed header, or None when anything is unusual (the strict path then says what)."""
+    try:
+        obj = json.loads(raw)
+        if type(obj) is not dict:
+            return None
+        metadata = obj.pop("__metadata__", None)
+        if metadata is None:
+            metadata = {}
+        if type(metadata) is not dict or not all(type(k) is str and type(v) is str for k, v in metadata.items()):
+            return None
+        names = list(obj)
+        if raw.count(b'"data_offsets"') != len(names):
+            return None  # a duplicated name, or an odd entry
+        entries = list(obj.values())
+        dtypes = [DTYPE_ORDER[e["dtype"]] for e in entries]
+        shapes = [e["shape"] for e in entries]
+        spans = [e["data_offsets"] for e in entries]
+        info_text = metadata.get(SHARDING_KEY)
+        if info_text is None:
+            if dcp_name:
+                return None
+            offsets = [[0] * len(s) for s in shapes]
+        else:
+            info = json.loads(info_text)
+            if type(info) is not dict or len(info) != len(names):
+                return None
+            offsets = [info[n]["saved_offsets"] for n in names]
+    except (ValueError, KeyError, TypeError, RecursionError, AttributeError):
+        return None
+    if not all(type(s) is list for s in shapes) or not all(type(o) is list for o in offsets):
+        return None
+    if not all(type(s) is list and len(s) == 2 for s in spans):
+        return None
+    flat_shape = list(itertools.chain.from_iterable(shapes))
+    flat_offset = list(itertools.chain.from_iterable(offsets))
+    flat_span = list(itertools.chain.from_iterable(spans))
+    if not (_only_ints(flat_shape) and _only_ints(flat_offset) and _only_ints(flat_span)):
+        return None
+    ndim = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))
+    if not np.array_equal(ndim, np.fromiter(map(len, offsets), dtype=np.int64, count=len(offsets))):
+        return None
+    try:
+        shape_values = np.array(flat_shape, dtype=np.int64)
+        offset_values = np.array(flat_offset, dtype=np.int64)
+        span = np.array(flat_span, dtype=np.int64).reshape(-1, 2)
+    except OverflowError:
+        return None
+    if (shape_values < 0).any() or (offset_values < 0).any() or (span < 0).any():
+        return None
+    dtype = np.array(dtypes, dtype=np.int8)
+    rows = np.repeat(np.arange(len(names)), ndim)
+    # Elements, through float64 first so that huge shapes cannot overflow silently.
+    if len(shape_values) and ((shape_values + offset_values).astype(np.float64) >= MAX_DIM).any():
+        return None
+    approx = np.ones(len(names), dtype=np.float64)
+    np.multiply.at(approx, rows, shape_values.astype(np.float64))
+    if (approx * 8 >= 2.0**62).any():
+        return None
+    count = np.ones(len(names), dtype=np.int64)
+    np.multiply.at(count, rows, shape_values)
+    bits = count * _BITS[dtype]
+    if (bits % 8).any() or not np.array_equal(bits // 8, span[:, 1] - span[:, 0]):
+        return None
+    order = np.lexsort((span[:, 1], span[:, 0]))
+    begins, ends = span[order, 0], span[order, 1]
+    if len(order) and (begins[0] != 0 or not np.array_equal(begins[1:], ends[:-1])):
+        return None
+    data_start = 8 + len(raw)
+    if data_start + (int(ends[-1]) if len(order) else 0) != size:
+        return None
+    return _Parsed(names, dtype, ndim.astype(np.int8), shapes, offsets, span[:, 0] + data_start, data_start, info_text is not None)
+
+
+def _strict(path: str, raw: bytes, size: int, dcp_name: bool) -> _Parsed:
+    """Entry by entry, with the reference reader's rules: raises InputError naming what is wrong."""
+    header = parse_header(raw, size, path)
+    info = _sharding_info(path, header.metadata)
+    if dcp_name and info is None:
+        raise InputError(f"{path}: named like a DCP shard but its header has no {SHARDING_KEY}")
+    offsets = []
+    for entry in header.tensors:
+        if info is None:
+            offsets.append([0] * len(entry.shape))
+            continue
+        saved = info.get(entry.name)
+        if saved is None:
+            raise InputError(f"{path}: tensor {entry.name!r} is missing from {SHARDING_KEY}")
+        if len(saved) != len(entry.shape):
+            raise InputError(
+                f"{path}: tensor {entry.name!r} has {len(entry.shape)} dimensions but saved_offsets {saved} has {len(saved)}"
+            )
+        if any(o + d >= MAX_DIM for o, d in zip(saved, entry.shape)):
+            raise InputError(f"{path}: tensor {entry.name!r}: saved_offsets {saved} with shape {list(entry.shape)} reach past 2**63 elements")
+        offsets.append(saved)
+    if info is not None:
+        extra = set(info) - {entry.name for entry in header.tensors}
+        if extra:
+            raise InputError(f"{path}: {SHARDING_KEY} names tensor {sorted(extra)[0]!r} that the file does not hold")
+    entries = header.tensors
+    return _Parsed(
+        [e.name for e in entries],
+        np.array([DTYPE_ORDER[e.dtype] for e in entries], dtype=np.int8),
+        np.array([len(e.shape) for e in entries], dtype=np.int8),
+        [list(e.shape) for e in entries],
+        offsets,
+        np.array([header.data_start + e.begin for e in entries], dtype=np.int64),
+        header.data_start,
+        info is not None,
+    )
+
+
+def _sharding_info(path: str, metadata: dict[str, str]) -> dict[str, list[int]] | None:
+    text = metadata.get(SHARDING_KEY)
+    if text is None:
+        return None
+    try:
+        info = json.loads(text)
+    except (ValueError, RecursionError):
+        raise InputError(f"{path}: {SHARDING_KEY} is not valid JSON") from None
+    if not isinstance(info, dict):
+        raise InputError(f"{path}: {SHARDING_KEY} is not a JSON object")
+    offsets: dict[str, list[int]] = {}
+    for name, entry in info.items():
+        saved = entry.get("saved_offsets") if isinstance(entry, dict) else None
+        if not isinstance(saved, list) or not all(type(o) is int and 0 <= o < MAX_DIM for o in saved):
+            raise InputError(
+                f"{path}: {SHARDING_KEY} entry for tensor {name!r} has invalid saved_offsets {saved!r} "
+                "(expected a list of non-negative integers)"
+            )
+        offsets[name] = saved
+    return offsets
+
+
+def _padded(values: list[list[int]], ndim: np.ndarray, width: int, fill: int) -> np.ndarray:
+    """Ragged lists as an int64 [N, width] array (no per-row Python work)."""
+    out = np.full((len(values), width), fill, dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64, count=int(ndim.sum(dtype=np.int64)))
+    lengths = ndim.astype(np.int64)
+    rows = np.repeat(np.arange(len(values)), lengths)
+    starts = np.cumsum(lengths) - lengths
+    out[rows, np.arange(len(flat)) - np.repeat(starts, lengths)] = flat
+    return out
+
+
+def read_file(path: str, file_name: str) -> _Parsed:
+    """One shard file's header as columns (fast path, else strict with a precise error)."""
+    named = parse_shard_name(file_name)
+    if named is not None and max(named) > MAX_SHARD_NUMBER:
+        raise InputError(f"{path}: the numbers in this shard name are out of range (at most {MAX_SHARD_NUMBER})")
+    raw, size = _read_raw(path)
+    parsed = _fast(raw, size, named is not None)
+    return parsed if parsed is not None else _strict(path, raw, size, named is not None)
+
+
+@dataclass
+class LocalTable:
+    """The headers one rank read: file facts by file id, pieces with tensor ids into ``names``."""
+
+    file_ids: np.ndarray  # int32[f], global ids of the files read here
+    data_start: np.ndarray  # int64[f]
+    is_dcp: np.ndarray  # bool[f]
+    names: list[str]  # tensor names, first appearance order
+    pieces: Pieces
+
+
+def read_headers(directory: str, names: Sequence[str], file_ids: Sequence[int], holder: int = 0) -> LocalTable:
+    """Read the headers of ``names`` (files inside ``directory`` with global ids ``file_ids``)."""
+    tensor_names: list[str] = []
+    ids: dict[str, int] = {}
+    parts, starts, dcp = [], [], []
+    for file_id, file_name in zip(file_ids, names):
+        parsed = read_file(os.path.join(directory, file_name), file_name)
+        lookup = np.fromiter((ids.setdefault(n, len(ids)) for n in parsed.names), dtype=np.int32, count=len(parsed.names))
+        width = max(1, int(parsed.ndim.max(initial=0)))
+        parts.append(Pieces(
+            tensor=lookup,
+            file=np.full(len(lookup), file_id, dtype=np.int32),
+            dtype=parsed.dtype,
+            ndim=parsed.ndim,
+            shape=_padded(parsed.shape, parsed.ndim, width, 1),
+            offset=_padded(parsed.offset, parsed.ndim, width, 0),
+            begin=parsed.begin,
+            holder=np.full(len(lookup), holder, dtype=np.int32),
+        ))
+        starts.append(parsed.data_start)
+        dcp.append(parsed.is_dcp)
+    tensor_names = list(ids)
+    return LocalTable(
+        np.asarray(file_ids, dtype=np.int32), np.array(starts, dtype=np.int64), np.array(dcp, dtype=bool),
+        tensor_names, Pieces.concat(parts),
+    )
+
+
+def list_shards(input_dir: str, allow_empty: bool = False) -> list[str]:
+    """The ``*.safetensors`` files directly in ``input_dir``, sorted by name."""
+    if not os.path.isdir(input_dir):
+        raise InputError(f"{input_dir}: input directory does not exist or is not a directory")
+    try:
+        names = sorted(
+            entry.name
+            for entry in os.scandir(input_dir)
+            if entry.name.endswith(".safetensors") and not entry.name.startswith(".") and entry.is_file()
+        )
+    except OSError as exc:
+        raise InputError(f"{input_dir}: cannot list input directory ({exc.strerror})") from None
+    if not names and not allow_empty:
+        raise InputError(f"{input_dir}: no *.safetensors files found")
+    return names
+
+
+def shard_files(names: list[str], sizes: Sequence[int], holders: list[np.ndarray] | None) -> ShardFiles:
+    """File facts known from the names alone (data starts and DCP flags are filled in by the scan)."""
+    parsed = [parse_shard_name(n) for n in names]
+    return ShardFiles(
+        names=list(names),
+        size=np.asarray(sizes, dtype=np.int64),
+        data_start=np.zeros(len(names), dtype=np.int64),
+        out_index=np.array([p[1] if p and p[1] <= MAX_SHARD_NUMBER else -1 for p in parsed], dtype=np.int32),
+        out_count=np.array([p[2] if p and p[2] <= MAX_SHARD_NUMBER else -1 for p in parsed], dtype=np.int32),
+        train_rank=np.array([p[0] if p and p[0] <= MAX_SHARD_NUMBER else -1 for p in parsed], dtype=np.int32),
+        is_dcp=np.zeros(len(names), dtype=bool),
+        holders=holders,
+    )
+
+
+def missing_shards(files: Sequence[str], show: int = 3) -> tuple[int, int, list[str]]:
+    """Absent DCP shard files: (how many, how many the present names imply, the first ``show`` names).
+
+    The present names span a grid of training ranks × output files; a training rank with no piece
+    of some output file writes no file for it, so this is only a hint, and a missing *last* rank
+    cannot be seen at all. Costs what exists (the names present), never what the names imply: a
+    rank number of 10⁹ in one name does not make 10⁹ names.
+    """
+    parsed = {p for p in map(parse_shard_name, files) if p}
+    counts = {count for _, _, count in parsed}
+    if not parsed or len(counts) != 1:
+        return 0, 0, []
+    count = counts.pop()
+    by_rank: dict[int, set[int]] = {}
+    for rank, index, _ in parsed:
+        by_rank.setdefault(rank, set()).add(index)
+    low, top = (1 if min(by_rank) >= 1 else 0), max(by_rank)
+    expected = (top - low + 1) * count
+    missing = expected - len(parsed)
+    found: list[str] = []
+    previous = low - 1
+    for rank in sorted(by_rank):
+        for absent in range(previous + 1, min(rank, previous + 1 + show)):  # ranks with no file at all
+            found += [shard_file_name(absent, i, count) for i in range(1, min(count, show) + 1)]
+        index = 1
+        while len(found) < show and index <= min(count, len(by_rank[rank]) + show):
+            if index not in by_rank[rank]:
+                found.append(shard_file_name(rank, index, count))
+            index += 1
+        previous = rank
+        if len(found) >= show:
+            break
+    return missing, expected, found[:show]
+
+
+def to_storage_units(pieces: Pieces) -> np.ndarray:
+    """Re-express sub-byte pieces' last dimension in bytes, in place; returns which pieces are not cut on a byte."""
+    bits = _BITS[pieces.dtype.astype(np.int64)]
+    misaligned = np.zeros(len(pieces), dtype=bool)
+    sub = np.flatnonzero(bits % 8 != 0)
+    if len(sub):
+        last = pieces.ndim[sub].astype(np.int64) - 1
+        shape, offset, b = pieces.shape[sub, last], pieces.offset[sub, last], bits[sub]
+        misaligned[sub] = ((shape * b) % 8 != 0) | ((offset * b) % 8 != 0)
+        pieces.shape[sub, last] = shape * b // 8
+        pieces.offset[sub, last] = offset * b // 8
+    return misaligned
+
+
+@dataclass
+class Table:
+    """A whole checkpoint read by one process: files, tensor names (sorted) and every piece (storage units)."""
+
+    files: ShardFiles
+    names: list[str]
+    pieces: Pieces
+    misaligned: np.ndarray  # bool[P]
+
+
+def relabel(local: LocalTable, names: list[str]) -> Pieces:
+    """``local``'s pieces with tensor ids into the global, sorted ``names``."""
+    position = {name: i for i, name in enumerate(names)}
+    lookup = np.array([position[n] for n in local.names], dtype=np.int32)
+    pieces = local.pieces
+    return Pieces(lookup[pieces.tensor] if len(pieces) else pieces.tensor, pieces.file, pieces.dtype, pieces.ndim,
+                  pieces.shape, pieces.offset, pieces.begin, pieces.holder)
+
+
+def read_table(directory: str, names: Sequence[str] | None = None) -> Table:
+    """Read every shard header of ``directory`` in this process (tests, previews; the scan splits this over ranks)."""
+    names = list_shards(directory) if names is None else list(names)
+    sizes = [os.path.getsize(os.path.join(directory, n)) for n in names]
+    files = shard_files(names, sizes, None)
+    local = read_headers(directory, names, range(len(names)))
+    files.data_start[local.file_ids] = local.data_start
+    files.is_dcp[local.file_ids] = local.is_dcp
+    tensor_names = sorted(local.names)
+    pieces = relabel(local, tensor_names)
+    misaligned = to_storage_units(pieces)
+    return Table(files, tensor_names, pieces, misaligned)
