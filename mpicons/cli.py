@@ -283,8 +283,7 @@ def _cmd_consolidate(args: argparse.Namespace, comm: "Comm") -> int:
 
 def _cmd_demo(args: argparse.Namespace, comm: "Comm") -> int:
     from .consolidation import consolidate
-    from .sample import SampleConfig, write_sample
-    from .verify import check_sample
+    from .sample import SampleConfig, check_sample, write_sample
 
     _check_report_paths(comm, args.stats_json)
     config = SampleConfig.sized(args.size) if args.size else SampleConfig()

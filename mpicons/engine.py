@@ -16,6 +16,7 @@ assembled at all: it is copied file to file (:data:`DIRECT_MIN`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -102,7 +103,7 @@ class Runs:
 
 
 def _row_units(tensor: Tensor, level: int) -> int:
-    return int(np.prod(tensor.storage[level + 1 :], dtype=np.int64))
+    return math.prod(tensor.storage[level + 1 :])
 
 
 def segment_bytes(layout: Layout, segment: Segment) -> tuple[int, int]:
@@ -130,9 +131,8 @@ def direct_pieces(layout: Layout, part: Part, shared: bool = True) -> np.ndarray
     pieces = part.pieces
     if not len(pieces):
         return np.zeros(0, dtype=bool)
-    storage = np.array([t.storage for t in layout.tensors], dtype=np.int64).reshape(len(layout.tensors), -1)
-    converting = np.array([t.converting for t in layout.tensors], dtype=bool)
-    unit = np.array([t.source_unit for t in layout.tensors], dtype=np.int64)
+    arrays = layout.arrays
+    storage, converting, unit = arrays.storage, arrays.converting, arrays.source_unit
     full = np.all((pieces.shape[:, 1:] == storage[pieces.tensor, 1:]) & (pieces.offset[:, 1:] == 0), axis=1)
     nbytes = np.prod(pieces.shape, axis=1) * unit[pieces.tensor]
     return full & ~converting[pieces.tensor] & (nbytes >= DIRECT_MIN) & shared
@@ -202,40 +202,58 @@ def blocks(layout: Layout, segments: list[Segment], block_bytes: int) -> Iterato
 
 
 def _pairs(layout: Layout, part: Part, block: Block) -> tuple[np.ndarray, ...]:
-    """(segment, piece) pairs of a block of whole-row segments, with the rows each piece gives."""
-    seg_tensor = np.array([s.tensor for s in block.segments], dtype=np.int64)
-    seg_low = np.array([s.row_begin for s in block.segments], dtype=np.int64)
-    seg_high = np.array([s.row_end for s in block.segments], dtype=np.int64)
+    """(segment, piece) pairs of a block of whole-row segments, the rows each piece gives, each segment's
+    first row and its byte position in the block (source layout)."""
+    seg_tensor = np.fromiter((s.tensor for s in block.segments), dtype=np.int64, count=len(block.segments))
+    seg_low = np.fromiter((s.row_begin for s in block.segments), dtype=np.int64, count=len(block.segments))
+    seg_high = np.fromiter((s.row_end for s in block.segments), dtype=np.int64, count=len(block.segments))
+    arrays = layout.arrays
+    sizes = (seg_high - seg_low) * np.prod(arrays.storage[seg_tensor, 1:], axis=1) * arrays.source_unit[seg_tensor]
     counts = part.start[seg_tensor + 1] - part.start[seg_tensor]
     segment = np.repeat(np.arange(len(block.segments)), counts)
     piece = np.repeat(part.start[seg_tensor], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     low = np.maximum(part.pieces.offset[piece, 0], seg_low[segment])
     high = np.minimum(part.pieces.offset[piece, 0] + part.pieces.shape[piece, 0], seg_high[segment])
     keep = high > low
-    return segment[keep], piece[keep], low[keep], high[keep], seg_low
+    return segment[keep], piece[keep], low[keep], high[keep], seg_low, np.cumsum(sizes) - sizes
 
 
-def runs_of(layout: Layout, part: Part, block: Block) -> Runs:
-    """Every run of a block, computed with numpy over all its (segment, piece) pairs."""
+def _innermost(shape: np.ndarray, offset: np.ndarray, storage: np.ndarray) -> np.ndarray:
+    """Per piece, the innermost dimension it does not span in full (0: it spans every trailing one)."""
+    width = storage.shape[1]
+    if width == 1:
+        return np.zeros(len(shape), dtype=np.int64)
+    partial = (shape[:, 1:] != storage[:, 1:]) | (offset[:, 1:] != 0)
+    return np.where(partial.any(axis=1), width - 1 - np.argmax(partial[:, ::-1], axis=1), 0)
+
+
+def runs_of(layout: Layout, part: Part, block: Block, limit: int | None = None) -> Runs | None:
+    """Every run of a block, computed with numpy over all its (segment, piece) pairs; None when there
+    would be more than ``limit`` (counted first, without making them)."""
     if any(s.prefix for s in block.segments):
-        return Runs.concat([_prefixed_runs(layout, part, block, i) for i in range(len(block.segments))])
-    segment, piece, low, high, seg_low = _pairs(layout, part, block)
-    sizes = np.array([segment_bytes(layout, s)[0] for s in block.segments], dtype=np.int64)
-    base = np.cumsum(sizes) - sizes
+        runs = Runs.concat([_prefixed_runs(layout, part, block, i) for i in range(len(block.segments))])
+        return None if limit is not None and len(runs) > limit else runs
+    segment, piece, low, high, seg_low, base = _pairs(layout, part, block)
     pieces = part.pieces
     tensor_ids = pieces.tensor[piece]
-    storage = np.array([t.storage for t in layout.tensors], dtype=np.int64).reshape(len(layout.tensors), -1)
-    unit = np.array([t.source_unit for t in layout.tensors], dtype=np.int64)
-    return _runs(storage[tensor_ids], pieces.offset[piece], pieces.shape[piece], pieces.file[piece].astype(np.int64),
-                 pieces.begin[piece], unit[tensor_ids], low, high, seg_low[segment], base[segment],
-                 pieces.holder[piece].astype(np.int64))
+    storage = layout.arrays.storage[tensor_ids]
+    shape, offset = pieces.shape[piece], pieces.offset[piece]
+    innermost = _innermost(shape, offset, storage)
+    if limit is not None:
+        per_row = np.ones(len(piece), dtype=np.int64)
+        for d in range(1, storage.shape[1]):
+            per_row *= np.where(d < innermost, shape[:, d], 1)
+        if int(np.where(innermost == 0, 1, (high - low) * per_row).sum()) > limit:
+            return None
+    return _runs(storage, offset, shape, pieces.file[piece].astype(np.int64), pieces.begin[piece],
+                 layout.arrays.source_unit[tensor_ids], low, high, seg_low[segment], base[segment],
+                 pieces.holder[piece].astype(np.int64), innermost)
 
 
 def _prefixed_runs(layout: Layout, part: Part, block: Block, index: int) -> Runs:
     """Runs of one segment inside a row too large for a block: pieces holding the prefix, the box below it."""
     segment = block.segments[index]
-    sizes = [segment_bytes(layout, s)[0] for s in block.segments]
-    base = sum(sizes[:index])
+    base = sum(segment_bytes(layout, s)[0] for s in block.segments[:index])
     level = len(segment.prefix)
     tensor = layout.tensors[segment.tensor]
     pieces = part.tensor_pieces(segment.tensor)
@@ -261,18 +279,15 @@ def _prefixed_runs(layout: Layout, part: Part, block: Block, index: int) -> Runs
 
 def _runs(storage: np.ndarray, offset: np.ndarray, shape: np.ndarray, file: np.ndarray, begin: np.ndarray,
           unit: np.ndarray, low: np.ndarray, high: np.ndarray, seg_low: np.ndarray, base: np.ndarray,
-          holder: np.ndarray) -> Runs:
+          holder: np.ndarray, innermost: np.ndarray | None = None) -> Runs:
     """Runs of pieces (one row each) restricted to rows ``[low, high)`` of dimension 0.
 
     Dimensions after the innermost one a piece does not span in full are contiguous in both the
     piece and the output: one run per index of the dimensions between 0 and that one.
     """
     width = storage.shape[1]
-    if width > 1:
-        partial = (shape[:, 1:] != storage[:, 1:]) | (offset[:, 1:] != 0)
-        innermost = np.where(partial.any(axis=1), width - 1 - np.argmax(partial[:, ::-1], axis=1), 0)
-    else:
-        innermost = np.zeros(len(file), dtype=np.int64)
+    if innermost is None:
+        innermost = _innermost(shape, offset, storage)
     # Units per step of each dimension, in the piece's own box and in the full tensor.
     piece_step = np.ones_like(shape)
     full_step = np.ones_like(storage)
@@ -309,25 +324,6 @@ def _runs(storage: np.ndarray, offset: np.ndarray, shape: np.ndarray, file: np.n
     return Runs.concat(out)
 
 
-def count_runs(layout: Layout, part: Part, block: Block) -> int:
-    """How many runs a block has, without making them for whole-row segments (to split blocks with too many)."""
-    if any(s.prefix for s in block.segments):
-        return len(runs_of(layout, part, block))
-    segment, piece, low, high, _ = _pairs(layout, part, block)
-    pieces = part.pieces
-    storage = np.array([t.storage for t in layout.tensors], dtype=np.int64).reshape(len(layout.tensors), -1)
-    shape, offset, full = pieces.shape[piece], pieces.offset[piece], storage[pieces.tensor[piece]]
-    width = full.shape[1]
-    if width == 1:
-        return len(piece)
-    partial = (shape[:, 1:] != full[:, 1:]) | (offset[:, 1:] != 0)
-    innermost = np.where(partial.any(axis=1), width - 1 - np.argmax(partial[:, ::-1], axis=1), 0)
-    per_row = np.ones(len(piece), dtype=np.int64)
-    for d in range(1, width):
-        per_row *= np.where(d < innermost, shape[:, d], 1)
-    return int(np.where(innermost == 0, 1, (high - low) * per_row).sum())
-
-
 # ---------------------------------------------------------------- reading and placing
 
 
@@ -350,7 +346,10 @@ def coalesce(runs: Runs, budget: int) -> tuple[Reads, np.ndarray]:
     bytes stay within ``budget``); returns the reads and each run's position in the concatenated reads."""
     order = np.lexsort((runs.src, runs.file))
     file, src, end = runs.file[order], runs.src[order], runs.src[order] + runs.length[order]
-    reach = np.maximum.accumulate(end) if len(end) else end
+    # How far the previous runs of the same file reach (the running maximum restarts at each file).
+    dense = np.cumsum(np.r_[False, file[1:] != file[:-1]]) if len(file) else file
+    shift = dense * (int(end.max()) + 1 if len(end) else 1)
+    reach = np.maximum.accumulate(end + shift) - shift
     gap = np.zeros(len(order), dtype=np.int64)
     new = np.ones(len(order), dtype=bool)
     if len(order) > 1:
@@ -436,15 +435,18 @@ class Assembler:
         self.assembled = np.empty(block_bytes, dtype=np.uint8)
         self.converting = any(t.converting for t in layout.tensors)
 
-    def split(self, block: Block) -> list[Block]:
-        """The block, or smaller blocks when it has more than :data:`MAX_RUNS` runs (tiny pieces, many cuts)."""
-        if max(block.source_size, block.size) <= MIN_BLOCK or count_runs(self.layout, self.part, block) <= MAX_RUNS:
-            return [block]
+    def split(self, block: Block) -> list[tuple[Block, Runs]]:
+        """The block with its runs, or smaller blocks when it has more than :data:`MAX_RUNS` runs."""
+        runs = runs_of(self.layout, self.part, block, None if max(block.source_size, block.size) <= MIN_BLOCK else MAX_RUNS)
+        if runs is not None:
+            return [(block, runs)]
         smaller = max(MIN_BLOCK, max(block.source_size, block.size) // 2)
-        return [b for half in blocks(self.layout, block.segments, smaller) for b in self.split(half)]
+        return [pair for half in blocks(self.layout, block.segments, smaller) for pair in self.split(half)]
 
     def runs(self, block: Block) -> Runs:
-        return runs_of(self.layout, self.part, block)
+        runs = runs_of(self.layout, self.part, block)
+        assert runs is not None
+        return runs
 
     def target(self, block: Block, output: np.ndarray) -> np.ndarray:
         """Where the block's runs are placed: ``output`` itself, or the assembly buffer when converting."""
@@ -466,10 +468,10 @@ class Assembler:
             self._convert(block, target, output)
         return output[: block.size]
 
-    def assemble(self, block: Block, output: np.ndarray) -> np.ndarray:
+    def assemble(self, block: Block, output: np.ndarray, runs: Runs | None = None) -> np.ndarray:
         """The block's output bytes in ``output[:block.size]``."""
         target = self.target(block, output)
-        self.fill(self.runs(block), target)
+        self.fill(self.runs(block) if runs is None else runs, target)
         return self.finish(block, target, output)
 
     def _grow(self, name: str, size: int) -> np.ndarray:

@@ -105,11 +105,13 @@ class ExchangeWriter:
             item_copies, item_segments = plan_item(self.layout, self.part, item, direct)
             copies += item_copies
             segments += item_segments
-        my_blocks = [b for whole in blocks(self.layout, segments, self.block_bytes) for b in self.assembler.split(whole)]
+        my_blocks: list[Block] = []
         size, me = self.comm.size, self.comm.rank
         requests, destinations = [], []
-        for index, block in enumerate(my_blocks):
-            _, remote = self._local_and_remote(self.assembler.runs(block))
+        for block, runs in (pair for whole in blocks(self.layout, segments, self.block_bytes) for pair in self.assembler.split(whole)):
+            index = len(my_blocks)
+            my_blocks.append(block)
+            _, remote = self._local_and_remote(runs)
             for holder, runs in remote:
                 reads, _ = coalesce(runs, self.block_bytes // 4)
                 rows = np.zeros(len(reads.file), dtype=_REQUEST)

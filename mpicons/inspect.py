@@ -230,9 +230,9 @@ def inspect(
         scanned.files, scanned.names, scanned.facts, comm.size, mapping=mapping, split=options.split,
         dtype=options.dtype, max_shard_size=options.max_shard_size, problems=problems,
     ))
-    part = distribute(comm, scanned, layout, problems)
     file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
     comm.Allreduce(MPI.IN_PLACE, file_pieces, op=MPI.SUM)
+    part = distribute(comm, scanned, layout, problems)
     primary = RowOwners.of(layout).primary(part.pieces, comm.rank)
     kept = np.bincount(part.pieces.tensor[primary], minlength=len(scanned.names)).astype(np.int64)
     comm.Allreduce(MPI.IN_PLACE, kept, op=MPI.SUM)

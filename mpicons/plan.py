@@ -14,6 +14,7 @@ everything downstream moves whole bytes. Element units appear only in messages a
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import re
@@ -70,7 +71,7 @@ class Tensor:
 
     @property
     def row_units(self) -> int:
-        return int(np.prod(self.storage[1:], dtype=np.int64))
+        return math.prod(self.storage[1:])
 
     @property
     def row_bytes(self) -> int:
@@ -102,6 +103,17 @@ class WorkItem:
     row_end: int
 
 
+@dataclass(frozen=True)
+class TensorArrays:
+    """The tensor table as numpy columns, for vectorized geometry (computed once per layout)."""
+
+    storage: np.ndarray  # int64[T, D]
+    source_unit: np.ndarray  # int64[T]
+    unit: np.ndarray  # int64[T]
+    converting: np.ndarray  # bool[T]
+    rows: np.ndarray  # int64[T]
+
+
 @dataclass
 class Layout:
     """Everything about the output, per tensor and per file; identical on every rank."""
@@ -110,6 +122,18 @@ class Layout:
     tensors: list[Tensor]
     files: list[OutputFile]
     work: list[list[WorkItem]] = field(default_factory=list)
+
+    @functools.cached_property
+    def arrays(self) -> TensorArrays:
+        tensors = self.tensors
+        width = max([len(t.storage) for t in tensors], default=1)
+        return TensorArrays(
+            storage=np.array([t.storage for t in tensors], dtype=np.int64).reshape(len(tensors), width),
+            source_unit=np.array([t.source_unit for t in tensors], dtype=np.int64),
+            unit=np.array([t.unit for t in tensors], dtype=np.int64),
+            converting=np.array([t.converting for t in tensors], dtype=bool),
+            rows=np.array([t.rows for t in tensors], dtype=np.int64),
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -577,8 +601,7 @@ class RowOwners:
 
     @classmethod
     def of(cls, layout: Layout) -> "RowOwners":
-        rows = np.array([t.rows for t in layout.tensors], dtype=np.int64)
-        base = np.concatenate(([0], np.cumsum(rows)))
+        base = np.concatenate(([0], np.cumsum(layout.arrays.rows)))
         items = [(base[i.tensor] + i.row_begin, base[i.tensor] + i.row_end, rank)
                  for rank, work in enumerate(layout.work) for i in work]
         items.sort()
@@ -654,12 +677,15 @@ class Part:
         return self.pieces.take(slice(int(self.start[t]), int(self.start[t + 1])))
 
 
-def _first_identical_row(keys: np.ndarray) -> np.ndarray:
-    """For every row of ``keys`` (already sorted), the index of the first row equal to it."""
-    starts_group = np.ones(len(keys), dtype=bool)
-    starts_group[1:] = np.any(keys[1:] != keys[:-1], axis=1)
-    group = np.cumsum(starts_group) - 1
-    return np.flatnonzero(starts_group)[group]
+def _first_identical(order: np.ndarray, columns: list[np.ndarray]) -> np.ndarray:
+    """For every position of ``order`` (rows sorted by ``columns``), the position of the first row equal to it
+    in all of them (one column at a time, so no key matrix is built)."""
+    same = np.ones(max(0, len(order) - 1), dtype=bool)
+    for column in columns:
+        ordered = column[order]
+        same &= ordered[1:] == ordered[:-1]
+    starts_group = np.r_[True, ~same] if len(order) else np.zeros(0, dtype=bool)
+    return np.flatnonzero(starts_group)[np.cumsum(starts_group) - 1]
 
 
 def _element_region(tensor: Tensor, low: Sequence[int], high: Sequence[int]) -> str:
@@ -689,38 +715,45 @@ def build_part(
     width = received.width
     order = np.lexsort((received.file, *[received.shape[:, d] for d in reversed(range(width))],
                         *[received.offset[:, d] for d in reversed(range(width))], received.tensor))
-    pieces = received.take(order)
-    keys = np.concatenate([pieces.tensor[:, None].astype(np.int64), pieces.offset, pieces.shape], axis=1)
-    first_copy = _first_identical_row(keys) if len(pieces) else np.zeros(0, dtype=np.int64)
-    repeat = first_copy != np.arange(len(pieces))
-    primary = owners.primary(pieces, rank)
-    num_files = len(layout.source_files)
-    held = np.bincount(pieces.file[primary], minlength=num_files).astype(np.int64)
-    repeated = np.bincount(pieces.file[primary & repeat], minlength=num_files).astype(np.int64)
-    examples = {}
-    for i in np.flatnonzero(primary & repeat):
-        f = int(pieces.file[i])
-        if f not in examples:
-            j = int(first_copy[i])
-            examples[f] = (int(pieces.tensor[i]), tuple(int(x) for x in pieces.offset[i]),
-                           tuple(int(x) for x in pieces.shape[i]), int(pieces.file[j]))
-    replicas = _replicas(pieces, first_copy, repeat, layout)
-    kept = pieces.take(np.flatnonzero(~repeat))
+    # Identical boxes are adjacent in this order, the lowest file first: that copy is kept.
+    first_copy = _first_identical(order, [received.tensor, *received.offset.T, *received.shape.T])
+    repeat = first_copy != np.arange(len(order))
+    held, repeated, examples, replicas = _repeats(layout, received, order, first_copy, repeat, owners, rank)
+    kept = received.take(order[~repeat])
     start = np.searchsorted(kept.tensor, np.arange(len(layout.tensors) + 1)).astype(np.int64)
     part = Part(rank, items, kept, start, replicas, held, repeated, examples)
     check_coverage(layout, part, problems)
     return part
 
 
-def _replicas(pieces: Pieces, first_copy: np.ndarray, repeat: np.ndarray, layout: Layout) -> Replicas | None:
+def _repeats(
+    layout: Layout, received: Pieces, order: np.ndarray, first_copy: np.ndarray, repeat: np.ndarray, owners: RowOwners, rank: int
+) -> tuple[np.ndarray, np.ndarray, dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]], Replicas | None]:
+    """Per-file counts of the pieces this rank counts (it owns their first row) and of repeats among them,
+    an example repeat per file, and the replica groups (every copy) for the byte comparison."""
+    num_files = len(layout.source_files)
+    primary = owners.primary(received, rank)[order]
+    files = received.file[order]
+    held = np.bincount(files[primary], minlength=num_files).astype(np.int64)
+    repeated = np.bincount(files[primary & repeat], minlength=num_files).astype(np.int64)
+    examples = {}
     if not repeat.any():
-        return None
+        return held, repeated, examples, None
+    for i in np.flatnonzero(primary & repeat):
+        f = int(files[i])
+        if f not in examples:
+            p, q = int(order[i]), int(order[first_copy[i]])
+            examples[f] = (int(received.tensor[p]), tuple(int(x) for x in received.offset[p]),
+                           tuple(int(x) for x in received.shape[p]), int(received.file[q]))
     rows = np.unique(np.concatenate([np.flatnonzero(repeat), first_copy[repeat]]))
-    units = np.array([layout.tensors[t].source_unit for t in range(len(layout.tensors))], dtype=np.int64)
-    nbytes = np.prod(pieces.shape[rows], axis=1) * units[pieces.tensor[rows]]
+    return held, repeated, examples, _replicas(received.take(order[rows]), first_copy[rows], layout)
+
+
+def _replicas(copies: Pieces, group: np.ndarray, layout: Layout) -> Replicas:
+    nbytes = np.prod(copies.shape, axis=1) * layout.arrays.source_unit[copies.tensor]
     return Replicas(
-        group=first_copy[rows].astype(np.int64), file=pieces.file[rows], begin=pieces.begin[rows], nbytes=nbytes,
-        tensor=pieces.tensor[rows], holder=pieces.holder[rows], offset=pieces.offset[rows], shape=pieces.shape[rows],
+        group=group.astype(np.int64), file=copies.file, begin=copies.begin, nbytes=nbytes,
+        tensor=copies.tensor, holder=copies.holder, offset=copies.offset, shape=copies.shape,
     )
 
 
@@ -753,7 +786,7 @@ def check_coverage(layout: Layout, part: Part, problems: Problems) -> None:
     item_low = np.array([i.row_begin for i in part.items], dtype=np.int64)
     item_high = np.array([i.row_end for i in part.items], dtype=np.int64)
     pieces = part.pieces
-    storage = np.array([layout.tensors[t].storage for t in range(len(layout.tensors))], dtype=np.int64).reshape(len(layout.tensors), -1)
+    storage = layout.arrays.storage
     # Fast path, vectorized over every item: all pieces span the full trailing dimensions and tile the rows.
     counts = part.start[item_tensor + 1] - part.start[item_tensor]
     full_width = np.all((pieces.shape[:, 1:] == storage[pieces.tensor, 1:]) & (pieces.offset[:, 1:] == 0), axis=1)
@@ -775,7 +808,7 @@ def check_coverage(layout: Layout, part: Part, problems: Problems) -> None:
         gap |= last_of_item & (high != item_high[item_of_piece])
         np.logical_and.at(ok, item_of_piece, ~gap)
     ok &= np.bincount(item_of_piece, minlength=len(part.items)) > 0
-    ok |= np.array([layout.tensors[t].nbytes == 0 for t in item_tensor], dtype=bool)
+    ok |= (np.prod(storage[item_tensor], axis=1) == 0)
     for i in np.flatnonzero(~ok):
         item = part.items[i]
         _check_item(layout, part, item, problems)

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
 import numpy as np
 
-from .format import DTYPE_BY_NAME, build_header
+from .format import DTYPE_BY_NAME, DTYPE_ORDER, build_header
 from .parallel import Comm, agree
 from .plan import output_name
 
@@ -197,7 +197,9 @@ def shard_name(train_rank: int, index: int, count: int) -> str:
 
 
 def _write_shard(path: str, pieces: list[tuple[str, str, np.ndarray, tuple[int, ...]]]) -> None:
-    """One DCP shard file: tensors in insertion order, sharding info in the metadata (as torch writes)."""
+    """One DCP shard file as torch writes it (through safetensors' serializer): tensors in the
+    reference order (dtype alignment, then name), sharding info in the metadata."""
+    pieces = sorted(pieces, key=lambda p: (DTYPE_ORDER[p[1]], p[0]))
     info = {name: {"saved_offsets": list(offsets)} for name, _, _, offsets in pieces}
     metadata = {"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps(info)}
     header, _ = build_header([(name, dtype, data.shape) for name, dtype, data, _ in pieces], metadata)
@@ -258,3 +260,32 @@ def write_sample(
 def expected_mapping(c: SampleConfig) -> dict[str, str]:
     """Tensor → output file name the consolidation of the sample must produce."""
     return {name: output_name(index, c.files) for name, _, _, _, index in tensor_specs(c)}
+
+
+def check_sample(output_dir: str | os.PathLike[str], config: SampleConfig, comm: Comm) -> int:
+    """Compare every tensor of a consolidated sample with its generated full value (split over ``comm``);
+    returns how many tensors were compared, or raises InputError naming the first that differs."""
+    from .format import read_header
+    from .errors import InputError
+
+    specs = tensor_specs(config)
+    directory = os.fspath(output_dir)
+
+    def work() -> None:
+        with open(os.path.join(directory, "model.safetensors.index.json"), encoding="utf-8") as handle:
+            weight_map = json.load(handle)["weight_map"]
+        headers: dict[str, object] = {}
+        for name, dtype, shape, _, _ in specs[comm.rank :: comm.size]:
+            path = os.path.join(directory, weight_map[name])
+            header = headers.get(path) or headers.setdefault(path, read_header(path))
+            entry = next(e for e in header.tensors if e.name == name)  # type: ignore[attr-defined]
+            if entry.dtype != dtype or entry.shape != tuple(shape):
+                raise InputError(f"{path}: tensor {name!r} is {entry.dtype}{list(entry.shape)}, expected {dtype}{list(shape)}")
+            with open(path, "rb") as handle:
+                handle.seek(header.data_start + entry.begin)  # type: ignore[attr-defined]
+                data = handle.read(entry.end - entry.begin)
+            if data != np.ascontiguousarray(full_tensor(config, name, dtype, shape)).tobytes():
+                raise InputError(f"{path}: tensor {name!r} differs from the sample's value")
+
+    agree(comm, work)
+    return len(specs)

@@ -9,6 +9,8 @@ each piece to the ranks whose rows it crosses. No rank ever holds the whole piec
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import hashlib
 import json
 import os
@@ -140,7 +142,18 @@ def scan(input_dir: str, comm: Comm) -> Scanned:
     pieces = relabel(local, tensor_names).widened(width)
     misaligned = to_storage_units(pieces)
     facts = reduce_facts(comm, pieces, len(tensor_names), width, piece_destinations(files), misaligned)
+    del local
+    release_memory()
     return Scanned(directory, files, tensor_names, pieces, facts)
+
+
+def release_memory() -> None:
+    """Give freed heap memory back to the system (the parsed headers' objects leave a lot behind)."""
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
 
 
 def reduce_facts(comm: Comm, pieces: Pieces, num_tensors: int, width: int, destinations: np.ndarray,
@@ -157,11 +170,17 @@ def reduce_facts(comm: Comm, pieces: Pieces, num_tensors: int, width: int, desti
     return facts
 
 
-def exchange(comm: Comm, records: np.ndarray, destination: np.ndarray) -> np.ndarray:
-    """Send each record to its destination rank (Alltoallv of bytes, in rounds below the C int limit)."""
+def exchange(comm: Comm, records: np.ndarray, destination: np.ndarray, ordered: bool = False) -> np.ndarray:
+    """Send each record to its destination rank (Alltoallv of bytes, in rounds below the C int limit).
+
+    ``ordered``: the records are already sorted by destination (saves a copy).
+    """
     size = comm.size
-    order = np.argsort(destination, kind="stable")
-    records, destination = records[order], destination[order]
+    if size == 1:
+        return records
+    if not ordered:
+        order = np.argsort(destination, kind="stable")
+        records, destination = records[order], destination[order]
     itemsize = max(1, records.dtype.itemsize)
     per_round = max(1, EXCHANGE_LIMIT // itemsize)
     counts = np.bincount(destination, minlength=size).astype(np.int64)
@@ -170,7 +189,10 @@ def exchange(comm: Comm, records: np.ndarray, destination: np.ndarray) -> np.nda
     received = []
     for r in range(max(1, rounds)):
         take = np.clip(counts - r * per_round, 0, per_round)
-        send = np.concatenate([records[first[d] + r * per_round : first[d] + r * per_round + take[d]] for d in range(size)])
+        if rounds <= 1:
+            send = records
+        else:
+            send = np.concatenate([records[first[d] + r * per_round : first[d] + r * per_round + take[d]] for d in range(size)])
         send_counts = take * itemsize
         recv_counts = np.empty(size, dtype=np.int64)
         comm.Alltoall(send_counts, recv_counts)
@@ -180,19 +202,27 @@ def exchange(comm: Comm, records: np.ndarray, destination: np.ndarray) -> np.nda
             [recv, (recv_counts, np.cumsum(recv_counts) - recv_counts), MPI.BYTE],
         )
         received.append(recv.view(records.dtype))
-    return np.concatenate(received) if received else records[:0]
+    return received[0] if len(received) == 1 else np.concatenate(received)
 
 
 def distribute(comm: Comm, scanned: Scanned, layout: Layout, problems: Problems | None = None) -> Part:
     """Give every rank the pieces of the rows ``layout.work`` assigns it, checked (replicas, coverage, copied files).
+
+    The scan's pieces move into the parts: ``scanned.pieces`` is empty afterwards.
 
     Strict (default): the first problem, in tensor order, is raised on every rank. With collecting
     ``problems``, every rank's problems are merged into it instead.
     """
     owners = RowOwners.of(layout)
     index, owner = owners.route(scanned.pieces)
-    records = exchange(comm, scanned.pieces.take(index).to_records(), owner)
-    received = Pieces.from_records(records)
+    by_owner = np.argsort(owner, kind="stable")
+    index, owner = index[by_owner], owner[by_owner]
+    del by_owner
+    records = scanned.pieces.to_records(index)
+    scanned.pieces = Pieces.empty(scanned.pieces.width)  # from here on the parts hold them
+    del index
+    received = Pieces.from_records(exchange(comm, records, owner, ordered=True))
+    del records, owner
     collect = problems is not None and not problems.strict
     local = Problems(strict=False)
     part = agree(comm, lambda: build_part(layout, comm.rank, received, owners, local))

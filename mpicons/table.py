@@ -116,19 +116,23 @@ class Pieces:
         return np.dtype([("tensor", "<i4"), ("file", "<i4"), ("holder", "<i4"), ("dtype", "i1"), ("ndim", "i1"),
                          ("begin", "<i8"), ("shape", "<i8", (width,)), ("offset", "<i8", (width,))])
 
-    def to_records(self) -> np.ndarray:
-        records = np.empty(len(self), dtype=self.record_dtype(self.width))
+    def to_records(self, index: np.ndarray | None = None) -> np.ndarray:
+        """The pieces (or those at ``index``) as one record array, built in place (no intermediate copy)."""
+        count = len(self) if index is None else len(index)
+        records = np.empty(count, dtype=self.record_dtype(self.width))
         for name in records.dtype.names or ():
-            records[name] = getattr(self, name)
+            column = getattr(self, name)
+            records[name] = column if index is None else column[index]
         return records
 
     @classmethod
     def from_records(cls, records: np.ndarray) -> "Pieces":
+        """Column views of a record array (no copy; the records stay alive as long as the columns)."""
         width = records.dtype["shape"].shape[0]
         return cls(
-            records["tensor"].copy(), records["file"].copy(), records["dtype"].copy(), records["ndim"].copy(),
-            records["shape"].reshape(len(records), width).copy(), records["offset"].reshape(len(records), width).copy(),
-            records["begin"].copy(), records["holder"].copy(),
+            records["tensor"], records["file"], records["dtype"], records["ndim"],
+            records["shape"].reshape(len(records), width), records["offset"].reshape(len(records), width),
+            records["begin"], records["holder"],
         )
 
 
@@ -137,13 +141,13 @@ class Pieces:
 
 @dataclass
 class _Parsed:
-    """One file's header as columns; ``names`` in header order, ``tensor`` indexes them."""
+    """One file's header as columns, in header order; ``shape``/``offset`` padded to its widest tensor."""
 
     names: list[str]
     dtype: np.ndarray
     ndim: np.ndarray
-    shape: list[list[int]]
-    offset: list[list[int]]
+    shape: np.ndarray  # int64[N, W]
+    offset: np.ndarray  # int64[N, W]
     begin: np.ndarray
     data_start: int
     is_dcp: bool
@@ -174,12 +178,25 @@ def _read_raw(path: str) -> tuple[bytes, int]:
     return raw, size
 
 
-def _only_ints(values: object) -> bool:
-    return set(map(type, values)) <= {int}  # type: ignore[call-overload]
+def _grid(rows: list[list[int]], ndim: np.ndarray, fill: int) -> np.ndarray:
+    """Ragged integer lists as an int64 [N, max(1, max ndim)] array, padded with ``fill``."""
+    width = max(1, int(ndim.max(initial=0)))
+    if len(rows) and int(ndim.min()) == width:
+        return np.array(rows, dtype=np.int64).reshape(len(rows), width)
+    out = np.full((len(rows), width), fill, dtype=np.int64)
+    if len(rows):
+        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(ndim.sum()))
+        at = np.repeat(np.arange(len(rows)), ndim)
+        out[at, np.arange(len(flat)) - np.repeat(np.cumsum(ndim) - ndim, ndim)] = flat
+    return out
 
 
 def _fast(raw: bytes, size: int, dcp_name: bool) -> _Parsed | None:
-    """Columns of a well-formed header, or None when anything is unusual (the strict path then says what)."""
+    """Columns of a well-formed header, or None when anything is unusual (the strict path then says what).
+
+    One ``json.loads`` per header (and one for DCP_SHARDING_INFO), then list comprehensions and
+    numpy; types are checked with ``set(map(type, ...))`` so a bool or float never passes for an int.
+    """
     try:
         obj = json.loads(raw)
         if type(obj) is not dict:
@@ -187,7 +204,7 @@ def _fast(raw: bytes, size: int, dcp_name: bool) -> _Parsed | None:
         metadata = obj.pop("__metadata__", None)
         if metadata is None:
             metadata = {}
-        if type(metadata) is not dict or not all(type(k) is str and type(v) is str for k, v in metadata.items()):
+        if type(metadata) is not dict or not set(map(type, itertools.chain.from_iterable(metadata.items()))) <= {str}:
             return None
         names = list(obj)
         if raw.count(b'"data_offsets"') != len(names):
@@ -200,7 +217,7 @@ def _fast(raw: bytes, size: int, dcp_name: bool) -> _Parsed | None:
         if info_text is None:
             if dcp_name:
                 return None
-            offsets = [[0] * len(s) for s in shapes]
+            offsets = None
         else:
             info = json.loads(info_text)
             if type(info) is not dict or len(info) != len(names):
@@ -208,38 +225,32 @@ def _fast(raw: bytes, size: int, dcp_name: bool) -> _Parsed | None:
             offsets = [info[n]["saved_offsets"] for n in names]
     except (ValueError, KeyError, TypeError, RecursionError, AttributeError):
         return None
-    if not all(type(s) is list for s in shapes) or not all(type(o) is list for o in offsets):
+    lists = set(map(type, shapes)) | set(map(type, spans)) | (set(map(type, offsets)) if offsets is not None else set())
+    if not lists <= {list}:
         return None
-    if not all(type(s) is list and len(s) == 2 for s in spans):
-        return None
-    flat_shape = list(itertools.chain.from_iterable(shapes))
-    flat_offset = list(itertools.chain.from_iterable(offsets))
-    flat_span = list(itertools.chain.from_iterable(spans))
-    if not (_only_ints(flat_shape) and _only_ints(flat_offset) and _only_ints(flat_span)):
+    ints = set(map(type, itertools.chain.from_iterable(shapes))) | set(map(type, itertools.chain.from_iterable(spans)))
+    if offsets is not None:
+        ints |= set(map(type, itertools.chain.from_iterable(offsets)))
+    if not ints <= {int} or set(map(len, spans)) - {2}:
         return None
     ndim = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))
-    if not np.array_equal(ndim, np.fromiter(map(len, offsets), dtype=np.int64, count=len(offsets))):
+    if offsets is not None and not np.array_equal(ndim, np.fromiter(map(len, offsets), dtype=np.int64, count=len(offsets))):
         return None
     try:
-        shape_values = np.array(flat_shape, dtype=np.int64)
-        offset_values = np.array(flat_offset, dtype=np.int64)
-        span = np.array(flat_span, dtype=np.int64).reshape(-1, 2)
+        shape = _grid(shapes, ndim, 1)
+        offset = _grid(offsets, ndim, 0) if offsets is not None else np.zeros_like(shape)
+        span = np.array(spans, dtype=np.int64).reshape(-1, 2)
     except OverflowError:
         return None
-    if (shape_values < 0).any() or (offset_values < 0).any() or (span < 0).any():
+    if (shape < 0).any() or (offset < 0).any() or (span < 0).any():
+        return None
+    # Elements, through float64 first so that huge shapes cannot overflow silently.
+    if ((shape + offset).astype(np.float64) >= MAX_DIM).any():
+        return None
+    if (np.prod(shape.astype(np.float64), axis=1) * 8 >= 2.0**62).any():
         return None
     dtype = np.array(dtypes, dtype=np.int8)
-    rows = np.repeat(np.arange(len(names)), ndim)
-    # Elements, through float64 first so that huge shapes cannot overflow silently.
-    if len(shape_values) and ((shape_values + offset_values).astype(np.float64) >= MAX_DIM).any():
-        return None
-    approx = np.ones(len(names), dtype=np.float64)
-    np.multiply.at(approx, rows, shape_values.astype(np.float64))
-    if (approx * 8 >= 2.0**62).any():
-        return None
-    count = np.ones(len(names), dtype=np.int64)
-    np.multiply.at(count, rows, shape_values)
-    bits = count * _BITS[dtype]
+    bits = np.prod(shape, axis=1) * _BITS[dtype]
     if (bits % 8).any() or not np.array_equal(bits // 8, span[:, 1] - span[:, 0]):
         return None
     order = np.lexsort((span[:, 1], span[:, 0]))
@@ -249,7 +260,7 @@ def _fast(raw: bytes, size: int, dcp_name: bool) -> _Parsed | None:
     data_start = 8 + len(raw)
     if data_start + (int(ends[-1]) if len(order) else 0) != size:
         return None
-    return _Parsed(names, dtype, ndim.astype(np.int8), shapes, offsets, span[:, 0] + data_start, data_start, info_text is not None)
+    return _Parsed(names, dtype, ndim.astype(np.int8), shape, offset, span[:, 0] + data_start, data_start, info_text is not None)
 
 
 def _strict(path: str, raw: bytes, size: int, dcp_name: bool) -> _Parsed:
@@ -278,12 +289,13 @@ def _strict(path: str, raw: bytes, size: int, dcp_name: bool) -> _Parsed:
         if extra:
             raise InputError(f"{path}: {SHARDING_KEY} names tensor {sorted(extra)[0]!r} that the file does not hold")
     entries = header.tensors
+    ndim = np.array([len(e.shape) for e in entries], dtype=np.int64)
     return _Parsed(
         [e.name for e in entries],
         np.array([DTYPE_ORDER[e.dtype] for e in entries], dtype=np.int8),
-        np.array([len(e.shape) for e in entries], dtype=np.int8),
-        [list(e.shape) for e in entries],
-        offsets,
+        ndim.astype(np.int8),
+        _grid([list(e.shape) for e in entries], ndim, 1),
+        _grid(offsets, ndim, 0),
         np.array([header.data_start + e.begin for e in entries], dtype=np.int64),
         header.data_start,
         info is not None,
@@ -310,17 +322,6 @@ def _sharding_info(path: str, metadata: dict[str, str]) -> dict[str, list[int]] 
             )
         offsets[name] = saved
     return offsets
-
-
-def _padded(values: list[list[int]], ndim: np.ndarray, width: int, fill: int) -> np.ndarray:
-    """Ragged lists as an int64 [N, width] array (no per-row Python work)."""
-    out = np.full((len(values), width), fill, dtype=np.int64)
-    flat = np.fromiter(itertools.chain.from_iterable(values), dtype=np.int64, count=int(ndim.sum(dtype=np.int64)))
-    lengths = ndim.astype(np.int64)
-    rows = np.repeat(np.arange(len(values)), lengths)
-    starts = np.cumsum(lengths) - lengths
-    out[rows, np.arange(len(flat)) - np.repeat(starts, lengths)] = flat
-    return out
 
 
 def read_file(path: str, file_name: str) -> _Parsed:
@@ -351,15 +352,16 @@ def read_headers(directory: str, names: Sequence[str], file_ids: Sequence[int], 
     parts, starts, dcp = [], [], []
     for file_id, file_name in zip(file_ids, names):
         parsed = read_file(os.path.join(directory, file_name), file_name)
-        lookup = np.fromiter((ids.setdefault(n, len(ids)) for n in parsed.names), dtype=np.int32, count=len(parsed.names))
-        width = max(1, int(parsed.ndim.max(initial=0)))
+        new = [n for n in parsed.names if n not in ids]
+        ids.update(zip(new, range(len(ids), len(ids) + len(new))))
+        lookup = np.fromiter(map(ids.__getitem__, parsed.names), dtype=np.int32, count=len(parsed.names))
         parts.append(Pieces(
             tensor=lookup,
             file=np.full(len(lookup), file_id, dtype=np.int32),
             dtype=parsed.dtype,
             ndim=parsed.ndim,
-            shape=_padded(parsed.shape, parsed.ndim, width, 1),
-            offset=_padded(parsed.offset, parsed.ndim, width, 0),
+            shape=parsed.shape,
+            offset=parsed.offset,
             begin=parsed.begin,
             holder=np.full(len(lookup), holder, dtype=np.int32),
         ))

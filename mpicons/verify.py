@@ -54,31 +54,6 @@ def tensor_bytes(path: str, header: Header, name: str) -> bytes:
         return handle.read(entry.end - entry.begin)
 
 
-def check_sample(output_dir: str, config: object, comm: Comm) -> int:
-    """Compare every tensor of a consolidated sample with its generated full value; returns the count."""
-    from .sample import full_tensor, tensor_specs
-
-    specs = tensor_specs(config)  # type: ignore[arg-type]
-
-    def work() -> int:
-        weight_map = read_index(output_dir)["weight_map"]
-        headers: dict[str, Header] = {}
-        for name, dtype, shape, _, _ in specs[comm.rank :: comm.size]:
-            file_name = weight_map[name]  # type: ignore[index]
-            path = os.path.join(output_dir, file_name)
-            header = headers.get(path) or headers.setdefault(path, read_header(path))
-            entry = next(e for e in header.tensors if e.name == name)
-            if entry.dtype != dtype or entry.shape != tuple(shape):
-                raise InputError(f"{path}: tensor {name!r} is {entry.dtype}{list(entry.shape)}, expected {dtype}{list(shape)}")
-            expected = np.ascontiguousarray(full_tensor(config, name, dtype, shape)).tobytes()  # type: ignore[arg-type]
-            if tensor_bytes(path, header, name) != expected:
-                raise InputError(f"{path}: tensor {name!r} differs from the sample's value")
-        return 1
-
-    agree(comm, work)
-    return len(specs)
-
-
 # ---------------------------------------------------------------- report
 
 
@@ -447,11 +422,11 @@ def _compare_share(
             buffer = np.empty(block_bytes, dtype=np.uint8)
             segments = [Segment(i.tensor, i.row_begin, i.row_end) for i in part.items]
             for whole in blocks(layout, segments, block_bytes):
-                for block in assembler.split(whole):
+                for block, runs in assembler.split(whole):
                     if len(buffer) < block.size:
                         buffer = np.empty(block.size, dtype=np.uint8)
                     try:
-                        checker(block, assembler.assemble(block, buffer))
+                        checker(block, assembler.assemble(block, buffer, runs))
                     except (MpiconsError, OSError) as exc:
                         checker.fail(block, exc)
         else:
@@ -612,4 +587,4 @@ def verify(
     return report
 
 
-__all__ = ["verify", "VerifyReport", "Problem", "read_index", "tensor_bytes", "check_sample"]
+__all__ = ["verify", "VerifyReport", "Problem", "read_index", "tensor_bytes"]

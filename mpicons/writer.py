@@ -122,9 +122,9 @@ class Writer:
 
     def _write_segments(self, segments: list[Segment]) -> None:
         for whole in blocks(self.layout, segments, self.block_bytes):
-            for block in self.assembler.split(whole):
+            for block, runs in self.assembler.split(whole):
                 buffer = self._next_slot(block.size)
-                data = self.assembler.assemble(block, buffer)
+                data = self.assembler.assemble(block, buffer, runs)
                 if self.background.pool is not None:
                     self.output.open(block.file)
                 self.busy[self.slot] = self.background.submit(self.output.write, block.file, block.offset, memoryview(data))
