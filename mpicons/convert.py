@@ -35,10 +35,11 @@ def numpy_dtype(name: str) -> np.dtype:
 
 def convert(source: np.ndarray, target: np.ndarray) -> None:
     """Write ``source`` (any float dtype) into ``target`` (same shape) with round-to-nearest-even."""
-    if source.dtype == np.float64 and target.dtype == np.dtype(ml_dtypes.bfloat16):
-        np.copyto(target, _float64_to_float32_round_to_odd(source), casting="unsafe")
-    else:
-        np.copyto(target, source, casting="unsafe")
+    with np.errstate(over="ignore", invalid="ignore"):  # out of range is inf, NaN stays NaN: no warnings
+        if source.dtype == np.float64 and target.dtype == np.dtype(ml_dtypes.bfloat16):
+            np.copyto(target, _float64_to_float32_round_to_odd(source), casting="unsafe")
+        else:
+            np.copyto(target, source, casting="unsafe")
 
 
 def _float64_to_float32_round_to_odd(values: np.ndarray) -> np.ndarray:

@@ -100,3 +100,89 @@ def mpirun(ranks: int, args: list[str], timeout: float = 60) -> tuple[subprocess
 def writing_started(out: Path) -> bool:
     """A run into ``out`` has created an output file in its private staging directory."""
     return any(any(d.iterdir()) for d in out.glob(".mpicons-staging-*")) if out.is_dir() else False
+
+
+# ---------------------------------------------------------------- random sharded checkpoints
+
+#: dtypes of random checkpoints, with their element sizes in bits.
+RANDOM_DTYPES = {"F32": 32, "BF16": 16, "F16": 16, "F64": 64, "I64": 64, "I32": 32, "U8": 8, "BOOL": 8, "I8": 8,
+                 "F8_E4M3": 8, "F4": 4}
+FLOATS = {"F32", "BF16", "F16", "F64", "F8_E4M3"}
+
+
+def _chunks(size: int, parts: int) -> list[tuple[int, int]]:
+    """torch.chunk's pieces of ``size`` in ``parts``: (start, length), the last ones possibly empty."""
+    step = -(-size // parts) if size else 0
+    return [(min(size, i * step), min(size, i * step + step) - min(size, i * step)) for i in range(parts)]
+
+
+def random_checkpoint(rng: np.random.Generator, directory: Path, ranks: int, files: int = 2
+                      ) -> tuple[Tensors, dict[str, str]]:
+    """A DCP-shaped checkpoint of random tensors cut the ways trainers cut them, written with safetensors'
+    own serializer (pieces in its order, DCP_SHARDING_INFO in the metadata), one file per training rank and
+    output file. Returns the full tensors (dtype, shape, bytes) and the expected weight map."""
+    directory.mkdir(parents=True, exist_ok=True)
+    cuts = ["whole", "replicated", "rows", "columns", "grid", "last", "tiny"]
+    expected: Tensors = {}
+    weight_map: dict[str, str] = {}
+    shards: dict[tuple[int, int], dict[str, tuple[str, list[int], bytes, list[int]]]] = {}
+    # Every training rank holds rows of an anchor in every output file: no file is nothing but replicas.
+    specs = [(f"anchor.{index}", "F32", [ranks * 3, 5], "rows", index) for index in range(1, files + 1)]
+    for i in range(int(rng.integers(4, 14))):
+        dtype = str(rng.choice(sorted(RANDOM_DTYPES)))
+        ndim = int(rng.integers(0 if dtype != "F4" else 1, 4))
+        shape = [int(rng.integers(0 if rng.random() < 0.1 else 1, 9)) for _ in range(ndim)]
+        cut = str(rng.choice(cuts))
+        if dtype == "F4":  # two elements a byte: cut only where whole bytes stay whole
+            shape[-1] = 2 * max(1, shape[-1])
+            cut = cut if cut in ("whole", "replicated") or (cut in ("rows", "tiny") and ndim >= 2) else "whole"
+        specs.append((f"layers.{i}.w", dtype, shape, cut, 1 + int(rng.integers(0, files))))
+    for name, dtype, shape, cut, index in specs:
+        bits = RANDOM_DTYPES[dtype]
+        count = int(np.prod(shape, dtype=np.int64))
+        data = rng.integers(0, 256, count * bits // 8, dtype=np.uint8)
+        if dtype == "BOOL":
+            data &= 1
+        expected[name] = (dtype, list(shape), data.tobytes())
+        weight_map[name] = f"model-{index:05d}-of-{files:05d}.safetensors"
+        # Element boxes are cut on the element grid; F4 counts bytes on its last dimension.
+        unit_shape = list(shape) if bits >= 8 else shape[:-1] + [shape[-1] // 2]
+        full = data.reshape(unit_shape + [max(1, bits // 8)]) if unit_shape else data.reshape(1, max(1, bits // 8))
+        for rank, box in _boxes(rng, shape, cut, ranks):
+            offsets, sizes = box
+            units = (offsets, sizes) if bits >= 8 else (offsets[:-1] + [offsets[-1] // 2], sizes[:-1] + [sizes[-1] // 2])
+            region = tuple(slice(o, o + s) for o, s in zip(*units)) if shape else (slice(0, 1),)
+            piece = np.ascontiguousarray(full[region]).tobytes()
+            shards.setdefault((rank, index), {})[name] = (dtype, list(sizes), piece, list(offsets))
+    for (rank, index), pieces in shards.items():
+        info = {name: {"saved_offsets": offsets} for name, (_, _, _, offsets) in pieces.items()}
+        blob = reference_bytes({n: (d, s, b) for n, (d, s, b, _) in pieces.items()},
+                               {"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps(info)})
+        (directory / f"shard-{rank + 1:05d}-model-{index:05d}-of-{files:05d}.safetensors").write_bytes(blob)
+    return expected, weight_map
+
+
+def _boxes(rng: np.random.Generator, shape: list[int], cut: str, ranks: int) -> list[tuple[int, tuple[list[int], list[int]]]]:
+    """(training rank, (offsets, sizes)) of every piece of a tensor of ``shape`` cut as ``cut``."""
+    ndim = len(shape)
+    whole = ([0] * ndim, list(shape))
+    if cut == "replicated" or ndim == 0:
+        holders = sorted(set(rng.integers(0, ranks, int(rng.integers(1, ranks + 1))).tolist()))
+        return [(r, whole) for r in holders]
+    if cut == "whole":
+        return [(int(rng.integers(0, ranks)), whole)]
+    if cut == "grid" and ndim >= 2:
+        a = max(1, ranks // 2)
+        b = max(1, ranks // a)
+        rows, cols = _chunks(shape[0], a), _chunks(shape[1], b)
+        return [(i * b + j, ([r0, c0] + [0] * (ndim - 2), [rn, cn] + shape[2:]))
+                for i, (r0, rn) in enumerate(rows) for j, (c0, cn) in enumerate(cols)]
+    if cut in ("columns", "last") and ndim >= 2:
+        dim = 1 if cut == "columns" else ndim - 1
+        step = 2 if shape[-1] % 2 == 0 and dim == ndim - 1 else 1  # F4: keep whole bytes
+        pieces = _chunks(shape[dim] // step, ranks)
+        return [(r, ([0] * dim + [o * step] + [0] * (ndim - dim - 1), shape[:dim] + [n * step] + shape[dim + 1 :]))
+                for r, (o, n) in enumerate(pieces)]
+    if cut == "tiny" and 0 < shape[0] <= ranks:  # one row per piece, each on its own rank: many small pieces
+        return [(row, ([row] + [0] * (ndim - 1), [1] + shape[1:])) for row in range(shape[0])]
+    return [(r, ([o] + [0] * (ndim - 1), [n] + shape[1:])) for r, (o, n) in enumerate(_chunks(shape[0], ranks))]
