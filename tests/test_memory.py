@@ -71,3 +71,48 @@ def test_peak_rss_is_bounded_by_the_buffer_on_a_multi_gib_tensor(tmp_path):
         handle.seek(data_start + rows * row - 2)
         assert handle.read(2) == markers[1]
     assert os.path.getsize(output) == data_start + 2 * half
+
+
+# ---------------------------------------------------------------- planning memory per rank
+
+#: The stated bound on planning memory per rank (docs/design.md, "Memory"): bytes per piece of the
+#: rank's share, per tensor of the checkpoint, per byte of the largest header (its parsed JSON), and fixed.
+PER_PIECE, PER_TENSOR, PER_HEADER_BYTE, FIXED = 260, 2048, 25, 1 << 20
+
+
+@pytest.mark.mpi
+def test_planning_memory_is_the_ranks_share_of_the_pieces(mpi_tmp_path):
+    """Scan + plan of 128,000 pieces: the peak of Python/numpy allocations on each rank stays within the
+    stated bound for 1/size of the pieces, so it fails if any rank held (or copied) the whole table."""
+    import tracemalloc
+
+    from mpi4py import MPI
+
+    from helpers import reference_bytes
+    from mpicons.plan import build_layout
+    from mpicons.scan import distribute, scan
+
+    comm = MPI.COMM_WORLD
+    training_ranks, tensors = 256, 500
+    if comm.rank == 0:
+        mpi_tmp_path.mkdir(exist_ok=True)
+        for r in range(training_ranks):
+            pieces = {f"layers.{t // 8}.experts.{t % 8}.w": ("BF16", [1, 4], bytes(8)) for t in range(tensors)}
+            info = {name: {"saved_offsets": [r, 0]} for name in pieces}
+            metadata = {"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps(info)}
+            (mpi_tmp_path / f"shard-{r + 1:05d}-model-00001-of-00001.safetensors").write_bytes(reference_bytes(pieces, metadata))
+    comm.Barrier()
+    header = max(p.stat().st_size for p in mpi_tmp_path.iterdir())
+    tracemalloc.start()
+    try:
+        scanned = scan(str(mpi_tmp_path), comm)
+        layout = build_layout(scanned.files, scanned.names, scanned.facts, comm.size)
+        part = distribute(comm, scanned, layout)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    share = training_ranks * tensors / comm.size
+    bound = PER_PIECE * share + PER_TENSOR * tensors + PER_HEADER_BYTE * header + FIXED
+    results = comm.allgather((peak, len(part.pieces)))
+    assert sum(n for _, n in results) == training_ranks * tensors  # every piece is in exactly one part here
+    assert all(p <= bound for p, _ in results), f"peaks {[p for p, _ in results]} over the bound {bound:.0f} at {comm.size} ranks"
