@@ -28,8 +28,9 @@ from .table import Pieces
 
 #: A contiguous, unconverted piece at least this large is copied file to file instead of assembled.
 DIRECT_MIN = 1 << 20
-#: Runs at least this long are copied one by one; shorter ones by one gather per block.
-LONG_RUN = 16 << 10
+#: Runs at least this long are copied one by one (a slice copy costs about a microsecond, so the loop
+#: adds at most half to the copying); shorter ones go in one numpy gather per block.
+LONG_RUN = 2 << 10
 #: Shard reads of one block merge across gaps up to this size (less seeking, some bytes read twice).
 READ_GAP = 64 << 10
 #: Most runs one block may have; a block with more is split (bounds the index arrays).
