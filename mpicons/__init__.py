@@ -13,14 +13,24 @@ __version__ = "0.2.0"
 _EXPORTS = {
     "consolidate": "consolidation",
     "ConsolidateResult": "consolidation",
+    "inspect": "inspection",
+    "InspectReport": "inspection",
+    "verify": "verify",
+    "VerifyReport": "verify",
+    "Options": "options",
+    "Communicator": "comm",
     "MpiconsError": "errors",
     "InputError": "errors",
     "WriteError": "errors",
 }
 
 if TYPE_CHECKING:
+    from .comm import Communicator
     from .consolidation import ConsolidateResult, consolidate
     from .errors import InputError, MpiconsError, WriteError
+    from .inspection import InspectReport, inspect
+    from .options import Options
+    from .verify import VerifyReport, verify
 
 
 def __getattr__(name: str) -> Any:
@@ -38,4 +48,5 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = ["consolidate", "ConsolidateResult", "MpiconsError", "InputError", "WriteError", "__version__"]
+__all__ = ["consolidate", "ConsolidateResult", "inspect", "InspectReport", "verify", "VerifyReport", "Options",
+           "Communicator", "MpiconsError", "InputError", "WriteError", "__version__"]

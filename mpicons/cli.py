@@ -22,9 +22,9 @@ from .errors import InputError, MpiconsError, WriteError
 from .interrupts import install_handlers
 
 if TYPE_CHECKING:
+    from .comm import Communicator as Comm
     from .consolidation import ConsolidateResult
     from .options import Options
-    from .parallel import Comm
 
 DEFAULT_BUFFER_SIZE = 32 << 20
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
@@ -318,7 +318,7 @@ def _cmd_verify(args: argparse.Namespace, comm: "Comm") -> int:
 
 def _cmd_inspect(args: argparse.Namespace, comm: "Comm") -> int:
     """Exit 0 when the checkpoint can be consolidated, 2 when it has problems (the report is printed either way)."""
-    from .inspect import inspect
+    from .inspection import inspect
 
     _check_report_paths(comm, args.json)
     report = inspect(
@@ -359,7 +359,7 @@ def _show_notes(quiet: bool, rank: int) -> None:
     logger.setLevel(logging.INFO)
 
 
-def main(argv: Sequence[str] | None = None, comm: "Comm | None" = None) -> int:
+def main(argv: Sequence[str] | None = None, comm: object | None = None) -> int:
     """Run the command line on ``comm`` (default COMM_WORLD); returns the exit code.
 
     Errors every rank agreed on are printed once, by rank 0, and give exit 2 (bad input) or 1.
@@ -369,15 +369,14 @@ def main(argv: Sequence[str] | None = None, comm: "Comm | None" = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # usage error, --help or --version: already printed once, before MPI starts
         return exc.code if isinstance(exc.code, int) else 2
-    if comm is None:
-        from mpi4py import MPI  # MPI starts here, after the signal handlers are in place
+    from .comm import as_communicator
 
-        comm = MPI.COMM_WORLD
+    world = comm is None
+    comm = as_communicator(comm)  # MPI starts here (None: COMM_WORLD), after the signal handlers are in place
     _show_notes(bool(getattr(args, "quiet", False)), comm.rank)
     try:
-        from mpi4py import MPI
-
-        check_launcher(MPI.COMM_WORLD.size)
+        if world:
+            check_launcher(comm.size)
         return int(args.func(args, comm))
     except MpiconsError as exc:
         if comm.rank == 0:
@@ -386,7 +385,7 @@ def main(argv: Sequence[str] | None = None, comm: "Comm | None" = None) -> int:
     except Exception:  # noqa: BLE001 - last resort: never leave other ranks waiting
         say(f"mpicons: internal error on rank {comm.rank}:\n{traceback.format_exc()}", sys.stderr)
         if comm.size > 1:
-            comm.Abort(1)
+            comm.abort(1)
         return 1
 
 

@@ -8,13 +8,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from mpi4py import MPI
-
+from .comm import as_communicator
 from .errors import InputError, MpiconsError
 from .exchange import ExchangeWriter
 from .hdf5 import HDF5_NAME, check_names, create_layout, retarget
 from .interrupts import deferred, forget_pending, raise_pending
-from .io import OutputBackend, SourceFiles, open_output
+from .outputs import OutputBackend, open_output
+from .sources import SourceFiles
 from .machine import check_buffer_size, host_name
 from .options import DEFAULT_BUFFER_SIZE, FORMATS, Options
 from .outdir import OutputDir
@@ -125,7 +125,7 @@ def consolidate(
     output_dir: str | os.PathLike[str],
     options: Options | None = None,
     *,
-    comm: Comm | None = None,
+    comm: object | None = None,
     **changes: Any,
 ) -> ConsolidateResult:
     """Consolidate the sharded checkpoint in ``input_dir`` into a Hugging Face checkpoint in ``output_dir``.
@@ -147,7 +147,7 @@ def consolidate(
     :class:`~mpicons.errors.InputError` (bad checkpoint or options) or
     :class:`~mpicons.errors.WriteError` (I/O failure, signal) on every rank alike.
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = as_communicator(comm)
     options = (options or Options()).with_changes(**changes)
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
     options.check(comm.size)
@@ -195,7 +195,7 @@ def consolidate(
         layout=layout,
         hints=in_effect,
         bytes_per_rank=comm.allgather(written),
-        moved_bytes=comm.allreduce(moved, op=MPI.SUM),
+        moved_bytes=comm.allreduce(moved, "sum"),
         shared_input=scanned.shared,
         notes=notes,
     )
@@ -258,10 +258,9 @@ def _write_share(
 ) -> tuple[int, int]:
     """This rank's share of the writing (bytes written, bytes sent); with progress, reports flow to rank 0 meanwhile."""
     exchanging = not scanned.shared or options.gather_to is not None
-    channel = comm.Dup() if options.progress or exchanging else comm
+    channel = comm.duplicate() if options.progress or exchanging else comm
     reporter = Progress(channel, layout.total_bytes, options.progress, verbose=options.verbose) if options.progress else None
     on_bytes = reporter.add if reporter is not None else None
-    ok = False
     try:
         if not exchanging:
             written, moved = Writer(layout, part, sources, output, options.buffer_size, on_bytes, io_threads=IO_THREADS).run(), 0
@@ -271,22 +270,21 @@ def _write_share(
                                         on_bytes, delegate=options.gather_to is None)
                 written = writer.run()
                 moved = writer.sent
-        ok = True
         return written, moved
     finally:
-        # Always report the end (so rank 0 never waits for a rank that failed); rank 0 waits only on success.
+        # Always report the end, also after a failure, so rank 0 never waits for a report that will not come.
         if reporter is not None:
-            reporter.finish(wait_for_others=ok)
+            reporter.finish()
         wait_for_all(channel)
         if channel is not comm:
-            channel.Free()
+            channel.free()
 
 
 def _close_quietly(output: OutputBackend, sources: SourceFiles) -> None:
     sources.close()
     try:
         output.close()
-    except (OSError, MPI.Exception):
+    except Exception:  # noqa: BLE001 - cleanup after a failure already being reported
         pass
 
 

@@ -20,12 +20,13 @@ from collections import deque
 from typing import Callable
 
 import numpy as np
-from mpi4py import MPI
 
+from .comm import Request, wait_all
 from .engine import Assembler, Block, Direct, Runs, block_budget, blocks, coalesce, direct_pieces, place, plan_item
 from .errors import Interrupted
 from .interrupts import pending_signal
-from .io import OutputBackend, SourceFiles
+from .outputs import OutputBackend
+from .sources import SourceFiles
 from .parallel import Comm
 from .plan import Layout, Part
 from .scan import exchange
@@ -70,7 +71,7 @@ class ExchangeWriter:
         self.out = np.empty(self.block_bytes, dtype=np.uint8)
         self.inbox = np.empty(self.block_bytes, dtype=np.uint8)
         self.outbox = [np.empty(self.block_bytes, dtype=np.uint8) for _ in range(SEND_WINDOW)]
-        self.in_flight: deque[tuple[MPI.Request, int]] = deque()
+        self.in_flight: deque[tuple[Request, int]] = deque()
         me = comm.rank
         holders = files.holders
         self.readable = np.ones(len(files), dtype=bool) if holders is None else np.array([me in h for h in holders], dtype=bool)
@@ -153,7 +154,7 @@ class ExchangeWriter:
                 lo, hi = serve_of[key]
                 self._serve(incoming[lo:hi])
         while self.in_flight:
-            self.in_flight.popleft()[0].Wait()
+            self.in_flight.popleft()[0].wait()
         for copy in copies:
             self._guard(lambda c=copy: self._copy(c))
         if self.error is not None:
@@ -165,7 +166,7 @@ class ExchangeWriter:
         total = int(reads["length"].sum())
         if len(self.in_flight) == SEND_WINDOW:
             request, slot = self.in_flight.popleft()
-            request.Wait()
+            request.wait()
         else:
             used = {slot for _, slot in self.in_flight}
             slot = next(i for i in range(SEND_WINDOW) if i not in used)
@@ -177,7 +178,7 @@ class ExchangeWriter:
             target = memoryview(buffer[position : position + length])
             self._guard(lambda f=file, s=src, t=target: self.sources.read_into(f, s, t))
             position += length
-        self.in_flight.append((self.comm.Isend(buffer, dest=int(reads["writer"][0]), tag=TAG), slot))
+        self.in_flight.append((self.comm.isend(buffer, int(reads["writer"][0]), TAG), slot))
         self.sent += total
 
     def _write_block(self, block: Block) -> None:
@@ -189,12 +190,12 @@ class ExchangeWriter:
         requests, received, position = [], [], 0
         for holder, part_runs, (reads, placed) in plans:
             message = inbox[position : position + reads.total]
-            requests.append(self.comm.Irecv(message, source=holder, tag=TAG))
+            requests.append(self.comm.irecv(message, holder, TAG))
             received.append((part_runs, placed, message))
             position += reads.total
         target = self.assembler.target(block, self._out(block.size))
         self._guard(lambda: self.assembler.fill(local, target))
-        MPI.Request.Waitall(requests)
+        wait_all(requests)
         if self.error is None:
             for part_runs, placed, message in received:
                 place(message, placed, target, part_runs)

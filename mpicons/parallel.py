@@ -8,16 +8,14 @@ first failure, naming the rank it happened on.
 
 from __future__ import annotations
 
-import time
 import traceback
 from typing import Any, Callable, TypeVar
 
-from mpi4py import MPI
-
+from .comm import Communicator, sleeping_wait
 from .errors import InputError, MpiconsError, WriteError
 from .interrupts import deferred, raise_pending, raising_inside
 
-Comm = MPI.Intracomm
+Comm = Communicator
 T = TypeVar("T")
 
 _KINDS: dict[str, type[MpiconsError]] = {"input": InputError, "write": WriteError, "error": MpiconsError}
@@ -83,12 +81,11 @@ def wait_for_all(comm: Comm, poll: float = 0.002) -> None:
     one rank per core and I/O threads), idle ranks would slow down the ones still working.
     Every rank must call this, failing or not, before the next collective.
     """
-    request = comm.Ibarrier()
+    request = comm.ibarrier()
     with deferred():
-        while not request.Test():
-            time.sleep(poll)
+        sleeping_wait(request, poll)
 
 
 def any_rank(comm: Comm, flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any."""
-    return bool(comm.allreduce(int(flag), op=MPI.MAX))
+    return bool(comm.allreduce(int(flag), "max"))

@@ -1,8 +1,8 @@
 """Whole-job progress on rank 0, gathered without stalling the writers.
 
 Ranks other than 0 send their byte count to rank 0 with non-blocking point-to-point messages at
-most every ``tick`` seconds (never more than one in flight); rank 0 picks them up whenever it
-finishes a block of its own writing, and prints to standard error: a bar redrawn in place when
+most every ``tick`` seconds (never more than one in flight); rank 0 keeps one receive posted per
+rank and tests them whenever it finishes a block of its own writing, and prints to standard error: a bar redrawn in place when
 a person is watching a terminal, else one line every ``interval`` seconds (a Slurm job log).
 
 Under ``mpiexec`` no rank has a terminal (the launcher reads their output through pipes and
@@ -19,9 +19,8 @@ import time
 from typing import TextIO
 
 import numpy as np
-from mpi4py import MPI
 
-from .parallel import Comm
+from .comm import Communicator, Request
 from .stats import human_bytes
 
 TAG = 17
@@ -88,7 +87,7 @@ class Progress:
 
     def __init__(
         self,
-        comm: Comm,
+        comm: Communicator,
         total: int,
         interval: float,
         stream: TextIO | None = None,
@@ -109,9 +108,12 @@ class Progress:
         self.last_print = self.start
         self.counts = np.zeros(comm.size, dtype=np.int64)
         self.finished = np.zeros(comm.size, dtype=bool)
-        self._request: MPI.Request | None = None
+        self._request: Request | None = None
         self._outgoing = np.zeros(2, dtype=np.int64)
-        self._incoming = np.zeros(2, dtype=np.int64)
+        self._incoming = np.zeros((comm.size, 2), dtype=np.int64)
+        self._receiving: dict[int, Request] = {}
+        if comm.rank == 0:
+            self._receiving = {r: comm.irecv(self._incoming[r], r, TAG) for r in range(1, comm.size)}
 
     def add(self, nbytes: int) -> None:
         """Called by the writer after every block; cheap unless a tick is due."""
@@ -126,36 +128,39 @@ class Progress:
         else:
             self._send(final=False)
 
-    def finish(self, wait_for_others: bool = True) -> None:
-        """End of this rank's share: others report a last time; rank 0 keeps reporting until all did."""
+    def finish(self) -> None:
+        """End of this rank's share: others report a last time (also after a failure, so rank 0 never
+        waits in vain); rank 0 keeps reporting until every rank did, then prints the final frame."""
         if self.comm.rank != 0:
             self._send(final=True)
             if self._request is not None:
-                self._request.Wait()
+                self._request.wait()
             return
         self.finished[0] = True
-        while wait_for_others and not self.finished.all():
+        while not self.finished.all():
             self._poll()
             self._maybe_print(time.monotonic())
             time.sleep(0.01)
-        self._poll()
         self._print(time.monotonic(), final=True)
 
     def _send(self, final: bool) -> None:
         if self._request is not None:
-            if not final and not self._request.Test():
+            if not final and not self._request.test():
                 return  # the previous report is still in flight: skip this one
-            self._request.Wait()
+            self._request.wait()
         self._outgoing[:] = (self.done, int(final))
-        self._request = self.comm.Isend(self._outgoing, dest=0, tag=TAG)
+        self._request = self.comm.isend(self._outgoing, 0, TAG)
 
     def _poll(self) -> None:
-        status = MPI.Status()
-        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
-            source = status.Get_source()
-            self.comm.Recv(self._incoming, source=source, tag=TAG)
-            self.counts[source] = self._incoming[0]
-            self.finished[source] |= bool(self._incoming[1])
+        for source, request in list(self._receiving.items()):
+            while request.test():
+                done, final = (int(x) for x in self._incoming[source])
+                self.counts[source] = done
+                if final:
+                    self.finished[source] = True
+                    del self._receiving[source]
+                    break
+                request = self._receiving[source] = self.comm.irecv(self._incoming[source], source, TAG)
 
     def _maybe_print(self, now: float) -> None:
         due = 0.25 if self.bar else self.interval

@@ -13,10 +13,9 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-from mpi4py import MPI
 
 from .errors import InputError
-from .io import SourceFiles
+from .sources import SourceFiles
 from .parallel import Comm, agree
 from .plan import Layout, Part, Replicas, _element_region
 from .scan import Scanned, exchange
@@ -59,7 +58,7 @@ def divergence(layout: Layout, replicas: Replicas, digests: dict[int, bytes]) ->
 def check_replicas(comm: Comm, scanned: Scanned, layout: Layout, part: Part, buffer_size: int) -> None:
     """Compare every copy of every replicated piece (a no-op, after one Allreduce, when there are none)."""
     replicas = part.replicas
-    if not comm.allreduce(replicas is not None, op=MPI.LOR):
+    if not comm.allreduce(int(replicas is not None), "max"):
         return
     requests = np.zeros(0 if replicas is None else len(replicas.group), dtype=_REQUEST)
     if replicas is not None:

@@ -19,7 +19,8 @@ import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
 import numpy as np
 
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, build_header
-from .parallel import Comm, agree
+from .comm import as_communicator
+from .parallel import agree
 from .plan import output_name
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
@@ -231,7 +232,7 @@ def _pieces_of_file(
 def write_sample(
     directory: str | os.PathLike[str],
     config: SampleConfig | None = None,
-    comm: Comm | None = None,
+    comm: object | None = None,
     keep: Callable[[str, str], bool] | None = None,
 ) -> list[str]:
     """Write the sample sharded checkpoint into ``directory`` (split over ``comm`` if given).
@@ -241,6 +242,7 @@ def write_sample(
     """
     c = config or SampleConfig()
     directory = os.fspath(directory)
+    comm = as_communicator(comm) if comm is not None else None
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
 
     def work() -> None:
@@ -262,7 +264,7 @@ def expected_mapping(c: SampleConfig) -> dict[str, str]:
     return {name: output_name(index, c.files) for name, _, _, _, index in tensor_specs(c)}
 
 
-def check_sample(output_dir: str | os.PathLike[str], config: SampleConfig, comm: Comm) -> int:
+def check_sample(output_dir: str | os.PathLike[str], config: SampleConfig, comm: object | None = None) -> int:
     """Compare every tensor of a consolidated sample with its generated full value (split over ``comm``);
     returns how many tensors were compared, or raises InputError naming the first that differs."""
     from .format import read_header
@@ -270,6 +272,7 @@ def check_sample(output_dir: str | os.PathLike[str], config: SampleConfig, comm:
 
     specs = tensor_specs(config)
     directory = os.fspath(output_dir)
+    comm = as_communicator(comm)
 
     def work() -> None:
         with open(os.path.join(directory, "model.safetensors.index.json"), encoding="utf-8") as handle:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-from mpi4py import MPI
 
 from .errors import InputError
+from .machine import host_name
 from .parallel import Comm, agree
 from .plan import (
     Layout, Part, Problems, RowOwners, TensorFacts, build_part, copied_file_problem, local_facts, local_odd,
@@ -60,27 +60,23 @@ def _listing(directory: str) -> tuple[list[str], list[int]]:
 def discover(input_dir: str, comm: Comm) -> tuple[list[str], list[int], list[np.ndarray] | None]:
     """Every shard file name and size, and which ranks can read each (None: all of them).
 
-    Each rank looks at its own directory (one lister per node unless ``{rank}`` is in the path), so
-    node-local disks are seen as they are; the same name and size on several ranks is one file.
+    One rank per host lists the directory (every rank when ``{rank}`` is in the path), so node-local
+    disks are seen as they are; the same name and size on several ranks is one file. When every
+    listing is the same (a shared filesystem), only digests cross the network and rank 0's listing.
     """
     directory = rank_directory(input_dir, comm.rank)
+    hosts = comm.allgather(host_name())
     per_rank = "{rank}" in input_dir
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED) if not per_rank else None
-    try:
-        if node is None:
-            listing = agree(comm, lambda: _listing(directory))
-        else:
-            listing = agree(comm, lambda: _listing(directory) if node.rank == 0 else None)
-            listing = node.bcast(listing, root=0)
-    finally:
-        if node is not None:
-            node.Free()
-    digest = hashlib.sha256(json.dumps(listing).encode()).hexdigest()
-    if len(set(comm.allgather(digest))) == 1:
-        agree(comm, lambda: _nonempty(listing[0], directory))
-        return listing[0], listing[1], None
+    leader = [r if per_rank else hosts.index(hosts[r]) for r in range(comm.size)]
+    listing = agree(comm, lambda: _listing(directory) if leader[comm.rank] == comm.rank else None)
+    digest = None if listing is None else hashlib.sha256(json.dumps(listing).encode()).hexdigest()
+    digests = comm.allgather(digest)
+    if len({d for d in digests if d is not None}) == 1:
+        names, sizes = comm.bcast(listing, root=0)
+        agree(comm, lambda: _nonempty(names, directory))
+        return names, sizes, None
     listings = comm.allgather(listing)
-    return agree(comm, lambda: _holders(input_dir, listings))
+    return agree(comm, lambda: _holders(input_dir, [listings[leader[r]] for r in range(comm.size)]))
 
 
 def _nonempty(names: list[str], directory: str) -> None:
@@ -134,11 +130,11 @@ def scan(input_dir: str, comm: Comm) -> Scanned:
     dcp = np.zeros(len(names), dtype=np.int64)
     starts[local.file_ids] = local.data_start
     dcp[local.file_ids] = local.is_dcp
-    comm.Allreduce(MPI.IN_PLACE, starts, op=MPI.MAX)
-    comm.Allreduce(MPI.IN_PLACE, dcp, op=MPI.MAX)
+    comm.allreduce_array(starts, "max")
+    comm.allreduce_array(dcp, "max")
     files.data_start, files.is_dcp = starts, dcp.astype(bool)
-    tensor_names = comm.allreduce(sorted(set(local.names)), op=_union)
-    width = comm.allreduce(local.pieces.width, op=MPI.MAX)
+    tensor_names = comm.allreduce_object(sorted(set(local.names)), _union)
+    width = comm.allreduce(local.pieces.width, "max")
     pieces = relabel(local, tensor_names).widened(width)
     misaligned = to_storage_units(pieces)
     facts = reduce_facts(comm, pieces, len(tensor_names), width, piece_destinations(files), misaligned)
@@ -160,12 +156,12 @@ def reduce_facts(comm: Comm, pieces: Pieces, num_tensors: int, width: int, desti
                  misaligned: np.ndarray | None = None) -> TensorFacts:
     """The facts of every rank's pieces, combined (two rounds: the second finds disagreeing pieces)."""
     facts = local_facts(pieces, num_tensors, width, destinations, misaligned)
-    for names, op in ((TensorFacts.SUM, MPI.SUM), (TensorFacts.MAX, MPI.MAX), (TensorFacts.MIN, MPI.MIN)):
+    for names, op in ((TensorFacts.SUM, "sum"), (TensorFacts.MAX, "max"), (TensorFacts.MIN, "min")):
         for name in names:
-            comm.Allreduce(MPI.IN_PLACE, getattr(facts, name), op=op)
+            comm.allreduce_array(getattr(facts, name), op)
     odd = local_odd(pieces, facts, destinations)
     for values in odd:
-        comm.Allreduce(MPI.IN_PLACE, values, op=MPI.MIN)
+        comm.allreduce_array(values, "min")
     set_odd(facts, odd)
     return facts
 
@@ -185,7 +181,7 @@ def exchange(comm: Comm, records: np.ndarray, destination: np.ndarray, ordered: 
     per_round = max(1, EXCHANGE_LIMIT // itemsize)
     counts = np.bincount(destination, minlength=size).astype(np.int64)
     first = np.cumsum(counts) - counts
-    rounds = comm.allreduce(int(-(-counts.max(initial=0) // per_round)), op=MPI.MAX)
+    rounds = comm.allreduce(int(-(-counts.max(initial=0) // per_round)), "max")
     received = []
     for r in range(max(1, rounds)):
         take = np.clip(counts - r * per_round, 0, per_round)
@@ -193,15 +189,7 @@ def exchange(comm: Comm, records: np.ndarray, destination: np.ndarray, ordered: 
             send = records
         else:
             send = np.concatenate([records[first[d] + r * per_round : first[d] + r * per_round + take[d]] for d in range(size)])
-        send_counts = take * itemsize
-        recv_counts = np.empty(size, dtype=np.int64)
-        comm.Alltoall(send_counts, recv_counts)
-        recv = np.empty(int(recv_counts.sum()), dtype=np.uint8)
-        comm.Alltoallv(
-            [send.view(np.uint8), (send_counts, np.cumsum(send_counts) - send_counts), MPI.BYTE],
-            [recv, (recv_counts, np.cumsum(recv_counts) - recv_counts), MPI.BYTE],
-        )
-        received.append(recv.view(records.dtype))
+        received.append(comm.alltoallv(send.view(np.uint8), take * itemsize).view(records.dtype))
     return received[0] if len(received) == 1 else np.concatenate(received)
 
 
@@ -227,8 +215,8 @@ def distribute(comm: Comm, scanned: Scanned, layout: Layout, problems: Problems 
     local = Problems(strict=False)
     part = agree(comm, lambda: build_part(layout, comm.rank, received, owners, local))
     held, repeated = part.held.copy(), part.repeated.copy()  # type: ignore[union-attr]
-    comm.Allreduce(MPI.IN_PLACE, held, op=MPI.SUM)
-    comm.Allreduce(MPI.IN_PLACE, repeated, op=MPI.SUM)
+    comm.allreduce_array(held, "sum")
+    comm.allreduce_array(repeated, "sum")
     copies = np.flatnonzero((held > 0) & (repeated == held))
     copied = None
     if len(copies):

@@ -9,9 +9,8 @@ from dataclasses import asdict, dataclass
 from typing import Iterator
 
 import numpy as np
-from mpi4py import MPI
 
-from .parallel import Comm
+from .comm import Communicator
 
 PHASES = ("scan", "plan", "write", "finalize")
 
@@ -108,16 +107,16 @@ def peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def reduce_stats(comm: Comm, clock: PhaseClock, bytes_written: int, files: int, tensors: int, total_bytes: int) -> Stats:
+def reduce_stats(comm: Communicator, clock: PhaseClock, bytes_written: int, files: int, tensors: int, total_bytes: int) -> Stats:
     """Allreduce this rank's phase times, bytes and memory into min/mean/max over ``comm``."""
     local = np.array(
         [clock.seconds.get(p, 0.0) for p in PHASES] + [clock.total(), float(bytes_written), peak_rss_mb()],
         dtype=np.float64,
     )
-    low, high, total = np.empty_like(local), np.empty_like(local), np.empty_like(local)
-    comm.Allreduce(local, low, op=MPI.MIN)
-    comm.Allreduce(local, high, op=MPI.MAX)
-    comm.Allreduce(local, total, op=MPI.SUM)
+    low, high, total = local.copy(), local.copy(), local.copy()
+    comm.allreduce_array(low, "min")
+    comm.allreduce_array(high, "max")
+    comm.allreduce_array(total, "sum")
     spreads = [Spread(float(a), float(s / comm.size), float(b)) for a, s, b in zip(low, total, high)]
     return Stats(
         ranks=comm.size,

@@ -15,12 +15,12 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
-from mpi4py import MPI
 
+from .comm import as_communicator
 from .consolidation import DEFAULT_BUFFER_SIZE, check_buffer_fits
 from .errors import InputError, MpiconsError
 from .format import DTYPE_BY_NAME, Header, read_header
-from .io import SourceFiles
+from .sources import SourceFiles
 from .outdir import LOCK_NAME, STAGING_PREFIX, Holder
 from .parallel import Comm, agree
 from .convert import TARGETS, convert, numpy_dtype
@@ -430,12 +430,12 @@ def _compare_share(
                     except (MpiconsError, OSError) as exc:
                         checker.fail(block, exc)
         else:
-            channel = comm.Dup()
+            channel = comm.duplicate()
             try:
                 ExchangeWriter(layout, part, scanned.files, sources, None, buffer_size, channel, sink=checker,
                                copies=False, delegate=False).run()
             finally:
-                channel.Free()
+                channel.free()
     finally:
         sources.close()
         outputs.close()
@@ -533,7 +533,7 @@ def verify(
     output_dir: str | os.PathLike[str],
     *,
     against: str | os.PathLike[str] | None = None,
-    comm: Comm | None = None,
+    comm: object | None = None,
     buffer_size: int = DEFAULT_BUFFER_SIZE,
     dtype: str | None = None,
 ) -> VerifyReport:
@@ -544,7 +544,7 @@ def verify(
     rank when the arguments are unusable (missing directory, unreadable shards). ``dtype``: the
     output was written with ``--dtype``; the shards are converted the same way before comparing.
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = as_communicator(comm)
     output_dir = os.fspath(output_dir)
     against = None if against is None else os.fspath(against)
     check_buffer_fits(comm, buffer_size)

@@ -16,7 +16,8 @@ from typing import Callable
 import numpy as np
 
 from .engine import Assembler, Direct, Segment, block_budget, blocks, direct_pieces, plan_item
-from .io import OutputBackend, SourceFiles
+from .outputs import OutputBackend
+from .sources import SourceFiles
 from .plan import Layout, Part
 
 #: Contiguous copies are issued in steps of this size so progress and signals are seen often.

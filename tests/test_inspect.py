@@ -22,7 +22,7 @@ from mpi4py import MPI
 
 import mpicons
 from helpers import FIXTURE_NAMES, FIXTURES, fixture_expected, index_weight_map, mpirun, reference_bytes
-from mpicons.inspect import InspectReport, inspect
+from mpicons.inspection import InspectReport, inspect
 
 mpi = pytest.mark.mpi
 EDGE = FIXTURES / "edge-3ranks" / "sharded"

@@ -12,6 +12,7 @@ import pytest
 from mpi4py import MPI
 
 from helpers import MPIEXEC
+from mpicons.comm import as_communicator
 from mpicons.progress import Progress, human_bytes, watched_terminal_columns
 from test_failures import INJECT, INPUT, mpirun
 
@@ -50,7 +51,7 @@ def test_bar_fits_the_terminal_and_ends_on_a_full_frame(monkeypatch, columns):
     monkeypatch.setenv("COLUMNS", str(columns))
     monkeypatch.delenv("MPICONS_PROGRESS", raising=False)
     stream = FakeTerminal()
-    reporter = Progress(MPI.COMM_SELF, total=4_000_000, interval=10, stream=stream, verbose=True)
+    reporter = Progress(as_communicator(MPI.COMM_SELF), total=4_000_000, interval=10, stream=stream, verbose=True)
     reporter.tick = 0
     reporter.last_print -= 1
     reporter.add(1_000_000)

@@ -28,10 +28,19 @@ fault, victim = sys.argv[1], int(sys.argv[2])
 args = sys.argv[sys.argv.index("--") + 1 :]
 rank = mpicons.cli.launcher_rank()
 
-if fault == "fsize-limit":  # every rank: a 200 kB file-size limit
+if fault == "fsize-limit":  # every rank, once MPI is up (its shared memory must not hit it): a 200 kB file-size limit
     import resource
 
-    resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY))
+    import mpicons.comm
+
+    original_communicator = mpicons.comm.as_communicator
+
+    def limited(comm):
+        result = original_communicator(comm)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, resource.RLIM_INFINITY))
+        return result
+
+    mpicons.comm.as_communicator = limited
 elif fault == "slow-write":  # every rank: slow writes, so a signal can arrive mid-write
     original_slow = mpicons.writer.Writer._next_slot
 
@@ -52,12 +61,12 @@ elif rank == victim:
 
         mpicons.consolidation.reduce_stats = failing_stats
     elif fault == "read-error":  # any shard read fails, including reads for other ranks (node-local mode)
-        import mpicons.io
+        import mpicons.sources
 
         def failing_read(self, file, offset, target):
             raise OSError(5, "Input/output error (injected)", self.path(file))
 
-        mpicons.io.SourceFiles.read_into = failing_read
+        mpicons.sources.SourceFiles.read_into = failing_read
     elif fault in ("kill-write", "signal-write"):  # as the rank starts its first block
         original = mpicons.writer.Writer._next_slot
         calls = []

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
-from mpi4py import MPI
 
+from .comm import as_communicator
 from .consolidation import load_mapping
 from .errors import InputError
 from .options import Options
@@ -198,7 +198,7 @@ def inspect(
     input_dir: str | os.PathLike[str],
     options: Options | None = None,
     *,
-    comm: Comm | None = None,
+    comm: object | None = None,
     ranks: int | None = None,
     **changes: Any,
 ) -> InspectReport:
@@ -216,7 +216,7 @@ def inspect(
     :class:`InputError` is raised on every rank only when the checkpoint cannot be read at all or
     the options are wrong.
     """
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = as_communicator(comm)
     options = (options or Options()).with_changes(**changes)
     input_dir = os.fspath(input_dir)
     ranks = comm.size if ranks is None else ranks
@@ -231,11 +231,11 @@ def inspect(
         dtype=options.dtype, max_shard_size=options.max_shard_size, problems=problems,
     ))
     file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
-    comm.Allreduce(MPI.IN_PLACE, file_pieces, op=MPI.SUM)
+    comm.allreduce_array(file_pieces, "sum")
     part = distribute(comm, scanned, layout, problems)
     primary = RowOwners.of(layout).primary(part.pieces, comm.rank)
     kept = np.bincount(part.pieces.tensor[primary], minlength=len(scanned.names)).astype(np.int64)
-    comm.Allreduce(MPI.IN_PLACE, kept, op=MPI.SUM)
+    comm.allreduce_array(kept, "sum")
     label = None if options.mapping is None or isinstance(options.mapping, Mapping) else os.fspath(options.mapping)
     return describe(input_dir, scanned.files, scanned.facts, layout, problems, file_pieces, kept,
                     ranks=ranks, job_ranks=comm.size, split=options.split, mapping_label=label,

@@ -1,0 +1,89 @@
+"""The communicator interface over an mpi4py intracommunicator (importing this module starts MPI)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, TypeVar
+
+import numpy as np
+from mpi4py import MPI
+
+T = TypeVar("T")
+_OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}
+
+
+def world() -> MPI.Intracomm:
+    return MPI.COMM_WORLD
+
+
+class _Request:
+    __slots__ = ("request",)
+
+    def __init__(self, request: MPI.Request) -> None:
+        self.request = request
+
+    def wait(self) -> None:
+        self.request.Wait()
+
+    def test(self) -> bool:
+        return bool(self.request.Test())
+
+
+class MPIComm:
+    """:class:`~mpicons.comm.Communicator` over ``mpi``; ``mpi`` stays available for MPI-IO."""
+
+    def __init__(self, mpi: MPI.Intracomm) -> None:
+        if not isinstance(mpi, MPI.Intracomm):
+            raise TypeError(f"mpicons needs an intracommunicator, not {type(mpi).__name__}")
+        self.mpi = mpi
+
+    @property
+    def rank(self) -> int:
+        return self.mpi.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return self.mpi.Get_size()
+
+    def allgather(self, obj: T) -> list[T]:
+        return self.mpi.allgather(obj)
+
+    def bcast(self, obj: T, root: int) -> T:
+        return self.mpi.bcast(obj, root=root)
+
+    def allreduce(self, value: Any, op: str) -> Any:
+        return self.mpi.allreduce(value, op=_OPS[op])
+
+    def allreduce_array(self, array: np.ndarray, op: str) -> None:
+        self.mpi.Allreduce(MPI.IN_PLACE, array, op=_OPS[op])
+
+    def allreduce_object(self, obj: T, combine: Callable[[T, T], T]) -> T:
+        return self.mpi.allreduce(obj, op=lambda a, b, *_: combine(a, b))  # mpi4py reduces objects along a tree
+
+    def alltoallv(self, send: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        send_counts = np.asarray(counts, dtype=np.int64)
+        recv_counts = np.empty_like(send_counts)
+        self.mpi.Alltoall(send_counts, recv_counts)
+        recv = np.empty(int(recv_counts.sum()), dtype=np.uint8)
+        self.mpi.Alltoallv(
+            [send, (send_counts, np.cumsum(send_counts) - send_counts), MPI.BYTE],
+            [recv, (recv_counts, np.cumsum(recv_counts) - recv_counts), MPI.BYTE],
+        )
+        return recv
+
+    def isend(self, array: np.ndarray, dest: int, tag: int) -> _Request:
+        return _Request(self.mpi.Isend(array, dest=dest, tag=tag))
+
+    def irecv(self, array: np.ndarray, source: int, tag: int) -> _Request:
+        return _Request(self.mpi.Irecv(array, source=source, tag=tag))
+
+    def ibarrier(self) -> _Request:
+        return _Request(self.mpi.Ibarrier())
+
+    def duplicate(self) -> "MPIComm":
+        return MPIComm(self.mpi.Dup())
+
+    def free(self) -> None:
+        self.mpi.Free()
+
+    def abort(self, code: int) -> None:
+        self.mpi.Abort(code)
