@@ -8,6 +8,8 @@ ratios are comparable even when the machine is noisy from one day to the next.
 from __future__ import annotations
 
 import filecmp
+import hashlib
+import json
 import os
 import platform
 import re
@@ -19,9 +21,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
@@ -119,7 +121,11 @@ def dirty_kib() -> int:
 
 
 def quiesce(*paths: Path) -> None:
-    """Remove previous outputs and let writeback finish, so no run pays for the previous one's."""
+    """Remove previous outputs and let writeback finish, so no run pays for the previous one's.
+
+    ``cp -r`` leaves its copy dirty in the page cache; without this, the next case would pay for
+    flushing it (and ext4's discard of the freed blocks) inside its own time.
+    """
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
     os.sync()
@@ -187,8 +193,48 @@ def same_tree(reference: Path, other: Path) -> str | None:
     return None
 
 
-def machine() -> dict[str, str]:
-    """What the numbers were measured on."""
+def same_tensors(reference: Path, other: Path) -> str | None:
+    """None when two HF checkpoints hold the same tensors (name, dtype, shape, bytes), layout aside.
+
+    A consolidator other than mpicons (torch's) writes different file bytes (no padding, no
+    ``__metadata__``, its own order), so its output is compared tensor by tensor rather than with cmp.
+    """
+    from mpicons.format import read_header
+
+    def tensors(directory: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
+        index = json.loads((directory / "model.safetensors.index.json").read_text())
+        found: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
+        for file_name in sorted(set(index["weight_map"].values())):
+            path = directory / file_name
+            header = read_header(path)
+            for entry in header.tensors:
+                found[entry.name] = (path, entry.dtype, entry.shape, header.data_start + entry.begin, entry.end - entry.begin)
+        missing = set(index["weight_map"]) - set(found)
+        if missing:
+            raise ValueError(f"{directory}: index names tensors no file holds, e.g. {sorted(missing)[0]}")
+        return found
+
+    try:
+        a, b = tensors(reference), tensors(other)
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal
+        return f"cannot read: {exc}"
+    if set(a) != set(b):
+        return f"tensor names differ: {sorted(set(a) ^ set(b))[:5]}"
+    for name in sorted(a):
+        pa, da, sa, oa, na = a[name]
+        pb, db, sb, ob, nb = b[name]
+        if (da, sa, na) != (db, sb, nb):
+            return f"{name}: {da}{list(sa)} vs {db}{list(sb)}"
+        with open(pa, "rb") as fa, open(pb, "rb") as fb:
+            fa.seek(oa)
+            fb.seek(ob)
+            if fa.read(na) != fb.read(nb):
+                return f"{name}: data differs"
+    return None
+
+
+def machine(where: Path = REPO) -> dict[str, str]:
+    """What the numbers were measured on (``filesystem``: the one holding ``where``)."""
 
     def sh(cmd: str) -> str:
         try:
@@ -203,7 +249,7 @@ def machine() -> dict[str, str]:
         "memory": sh("free -g | awk '/Mem:/ {print $2\" GiB\"}'"),
         "kernel": platform.release(),
         "python": platform.python_version(),
-        "filesystem": sh(f"df -T {REPO} | tail -1 | awk '{{print $2}}'"),
+        "filesystem": sh(f"df -T {where} | tail -1 | awk '{{print $2}}'"),
         "commit": sh(f"git -C {REPO} rev-parse --short HEAD"),
         "date": time.strftime("%Y-%m-%d"),
     }
@@ -211,3 +257,66 @@ def machine() -> dict[str, str]:
 
 def best(times: Sequence[Timed]) -> Timed:
     return min(times, key=lambda t: t.wall)
+
+
+
+# ---------------------------------------------------------------- the sources under test
+
+
+def snapshot_sources(workdir: Path, source: str, package: str = "mpicons") -> tuple[Path, str]:
+    """Freeze ``package`` for a whole run into ``workdir/src``; returns (snapshot root, label).
+
+    The working tree may change while a long run is going (someone editing, a branch switch):
+    every process of the run imports this copy instead (see ``Context.on_snapshot``), so all the
+    numbers come from one version. ``source`` is ``worktree`` (the files as they are now) or
+    ``head`` (the last commit, whatever the working tree holds).
+    """
+    root = workdir / "src"
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+
+    def git(*args: str, check: bool = False) -> str:
+        return subprocess.run(["git", "-C", str(REPO), *args], capture_output=True, text=True, check=check).stdout.strip()
+
+    if source == "head":
+        commit = git("rev-parse", "--short", "HEAD", check=True)
+        archive = subprocess.run(["git", "-C", str(REPO), "archive", "HEAD", package], capture_output=True, check=True)
+        subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+        label = f"commit {commit}"
+    elif source == "worktree":
+        shutil.copytree(REPO / package, root / package, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        status = git("status", "--porcelain", "--", package)
+        commit = git("rev-parse", "--short", "HEAD") or "unknown"
+        label = f"working tree at {commit}" + (" with uncommitted changes" if status else "")
+    else:
+        raise ValueError(f"source is 'worktree' or 'head', not {source!r}")
+    files = sorted((root / package).glob("*.py"))
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in files)).hexdigest()[:12]
+    return root, f"{label} (sources sha256 {digest})"
+
+
+@dataclass
+class Context:
+    """How a benchmark runs its children: their environment and directory, the wait for an idle
+    machine before each measurement, and the number of runs per case (the best is reported)."""
+
+    env: dict[str, str]
+    cwd: str | None
+    quiet: Quiet
+    repeat: int = 1
+
+    @classmethod
+    def on_snapshot(cls, root: Path, workdir: Path, quiet: Quiet, repeat: int) -> Context:
+        """Children import packages from ``root`` first (PYTHONPATH) and run in ``workdir``, not in the
+        repository, where '' on ``sys.path`` would find the working tree's package first.
+
+        This process imports from ``root`` too (it is put first on ``sys.path``).
+        """
+        sys.path.insert(0, str(root))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(root), *filter(None, [os.environ.get("PYTHONPATH")])])
+        return cls(env, str(workdir), quiet, repeat)
+
+    def run(self, cmd: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 1800.0) -> Timed:
+        """``run_timed`` in this context (``env`` replaces the context's environment for this run)."""
+        return run_timed(cmd, env=self.env if env is None else env, cwd=self.cwd, timeout=timeout)

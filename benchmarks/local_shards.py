@@ -73,7 +73,7 @@ def same_files(a: Path, b: Path) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workdir", type=Path, default=ROOT / "benchmarks" / "work")
     parser.add_argument("--size", default="2GB", help="sample size when benchmarks/work/sharded does not exist")
     parser.add_argument("--ranks", default="2,4")

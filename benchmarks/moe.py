@@ -20,8 +20,20 @@ import time
 from pathlib import Path
 
 from harness import (
-    MPIEXEC, PYTHON, REPO, Quiet, Timed, checked, dir_bytes, machine, mpirun, parse_size, quiesce, run_timed,
-    same_tree, warm,
+    MPIEXEC,
+    PYTHON,
+    REPO,
+    Quiet,
+    Timed,
+    checked,
+    dir_bytes,
+    machine,
+    mpirun,
+    parse_size,
+    quiesce,
+    run_timed,
+    same_tree,
+    warm,
 )
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "MPICONS_PROGRESS": "lines"}

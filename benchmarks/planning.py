@@ -70,16 +70,18 @@ def measure(directory: Path, result: Path) -> None:
     from mpi4py import MPI
 
     sys.path.insert(0, str(REPO))
+    from mpicons.comm import as_communicator
     from mpicons.plan import build_layout
     from mpicons.scan import distribute, scan
 
     comm = MPI.COMM_WORLD
+    wrapped = as_communicator(comm)  # mpicons' communicator interface over the same MPI communicator
     comm.Barrier()
     began = time.perf_counter()
-    scanned = scan(str(directory), comm)
+    scanned = scan(str(directory), wrapped)
     scanned_at = time.perf_counter()
     layout = build_layout(scanned.files, scanned.names, scanned.facts, comm.size)
-    part = distribute(comm, scanned, layout)
+    part = distribute(wrapped, scanned, layout)
     planned = time.perf_counter()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     values = comm.gather((scanned_at - began, planned - scanned_at, rss, len(part.pieces)), root=0)

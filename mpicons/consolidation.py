@@ -11,7 +11,7 @@ from typing import Any, Mapping
 from .comm import as_communicator
 from .errors import InputError, MpiconsError
 from .exchange import ExchangeWriter
-from .hdf5 import HDF5_NAME, check_names, create_layout, retarget
+from .formats import OutputFormat, output_format
 from .interrupts import deferred, forget_pending, raise_pending
 from .outputs import OutputBackend, open_output
 from .sources import SourceFiles
@@ -67,11 +67,6 @@ def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict
     return parse_mapping(obj, path)
 
 
-def final_names(layout: Layout, output_format: str) -> list[str]:
-    """Every name the job publishes, in publishing order: the index (safetensors) last."""
-    return [f.name for f in layout.files] + ([INDEX_NAME] if output_format == "safetensors" else [])
-
-
 def _directory_identity(path: str) -> tuple[int, int] | None:
     try:
         st = os.stat(path)
@@ -112,8 +107,7 @@ def plan_job(comm: Comm, scanned: Scanned, options: Options, mapping: dict[str, 
         scanned.files, scanned.names, scanned.facts, comm.size, mapping=mapping, split=options.split,
         dtype=options.dtype, max_shard_size=options.max_shard_size,
     ))
-    if options.output_format == "hdf5":
-        agree(comm, lambda: check_names(layout))
+    agree(comm, lambda: output_format(options.output_format).check(layout))
     if options.gather_to is not None:
         everything = [item for items in layout.work for item in items]
         layout.work = [everything if rank == options.gather_to else [] for rank in range(comm.size)]
@@ -174,7 +168,7 @@ def consolidate(
             check_replicas(comm, scanned, layout, part, options.buffer_size)
             layout, written, moved, in_effect = _write(comm, held, scanned, layout, part, owner, options)
         with clock("finalize"):
-            agree_on(comm, owner, lambda: _publish(held[0], layout, options.output_format, options.sync))
+            agree_on(comm, owner, lambda: _publish(held[0], layout, output_format(options.output_format), options.sync))
             forget_pending()  # the checkpoint is complete: a signal now has nothing left to stop
     except BaseException as exc:
         for session in held:
@@ -188,7 +182,7 @@ def consolidate(
     return ConsolidateResult(
         output_dir=output_dir,
         files=[f.name for f in layout.files],
-        index_file=INDEX_NAME if options.output_format == "safetensors" else "",
+        index_file=INDEX_NAME if output_format(options.output_format).index(layout) is not None else "",
         tensors=len(layout.tensors),
         total_bytes=layout.total_bytes,
         stats=stats,
@@ -206,24 +200,22 @@ def _write(
 ) -> tuple[Layout, int, int, dict[str, str]]:
     """Stage every output in the owner's private directory and fill it; returns the (re-targeted) layout,
     the bytes this rank wrote and sent, and the MPI-IO hints in effect."""
-    hdf5 = options.output_format == "hdf5"
-    if hdf5:
-        layout = retarget(layout, [0] * len(layout.tensors), 0)
-    names = final_names(layout, options.output_format)
+    fmt = output_format(options.output_format)
+    layout = fmt.target(layout)
+    names = fmt.final_names(layout)
 
     def stage() -> str:
         session = held[0]
-        session.aside = session.replaced_entries(names, options.force, checkpoint=not hdf5)
+        session.aside = session.replaced_entries(names, options.force, checkpoint=fmt.checkpoint)
         return session.stage()
 
     staging = agree_on(comm, owner, stage)
-    if hdf5:
-        offsets, size = agree_on(comm, owner, lambda: _layout_hdf5(staging, layout))
-        layout = retarget(layout, offsets, size)
+    if fmt.preallocated:
+        layout = agree_on(comm, owner, lambda: fmt.lay_out(staging, layout))
     paths = [os.path.join(staging, f.name) for f in layout.files]
     output = agree(comm, lambda: open_output(
         options.io, comm, paths, [f.header for f in layout.files], [f.size for f in layout.files], options.hints,
-        preallocated=hdf5, owner=owner, durable=options.sync,
+        preallocated=fmt.preallocated, owner=owner, durable=options.sync,
     ))
     sources = SourceFiles(scanned.directory, scanned.files.names)
     try:
@@ -235,21 +227,16 @@ def _write(
         _close_quietly(output, sources)
 
 
-def _layout_hdf5(staging: str, layout: Layout) -> tuple[list[int], int]:
-    path = os.path.join(staging, HDF5_NAME)
-    offsets = create_layout(path, layout)
-    return offsets, os.path.getsize(path)
-
-
-def _publish(session: OutputDir, layout: Layout, output_format: str, durable: bool) -> None:
+def _publish(session: OutputDir, layout: Layout, fmt: OutputFormat, durable: bool) -> None:
     """The owner writes the index into the staging directory and publishes everything as one transaction.
 
     Signals are held back meanwhile; one that arrived is honoured at the commit point (rolled back).
     """
     with deferred():
-        if output_format == "safetensors":
-            session.write_staged(INDEX_NAME, (json.dumps(layout.index(), indent=2) + "\n").encode(), durable)
-        session.publish(final_names(layout, output_format), session.aside, durable, before_commit=raise_pending)
+        index = fmt.index(layout)
+        if index is not None:
+            session.write_staged(INDEX_NAME, index, durable)
+        session.publish(fmt.final_names(layout), session.aside, durable, before_commit=raise_pending)
         forget_pending()
 
 

@@ -3,7 +3,6 @@ apply at creation), written with independent ``Write_at`` through per-rank handl
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from typing import Callable, Mapping
 
 import numpy as np
@@ -11,10 +10,10 @@ from mpi4py import MPI
 
 from .errors import WriteError
 from .outputs import MAX_OPEN_OUTPUTS, _bounce_copy, _Output
-from .sources import MAX_TRANSFER, SourceFiles
+from .sources import MAX_TRANSFER, CachedHandles, HandleCache, SourceFiles
 
 
-class MpiioOutput(_Output):
+class MpiioOutput(_Output, CachedHandles):
     """Outputs created collectively with ``MPI.File`` on the communicator (hints such as striping apply
     there), then written with independent ``Write_at`` through per-rank handles opened when needed
     (at most ``MAX_OPEN_OUTPUTS`` at once)."""
@@ -25,9 +24,8 @@ class MpiioOutput(_Output):
     def __init__(self, *args: object, hints: Mapping[str, str] | None = None, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.hints = dict(hints or {})
-        self._files: OrderedDict[int, MPI.File] = OrderedDict()
+        self._cache: HandleCache[MPI.File] = HandleCache(self._open, self._retire, MAX_OPEN_OUTPUTS)
         self._in_effect: dict[str, str] = {}
-        self.before_close: Callable[[], None] = lambda: None
 
     def _info(self) -> MPI.Info:
         info = MPI.Info.Create()
@@ -64,24 +62,22 @@ class MpiioOutput(_Output):
         return dict(self._in_effect)
 
     def _handle(self, file: int) -> MPI.File:
-        handle = self._files.get(file)
-        if handle is not None:
-            self._files.move_to_end(file)
-            return handle
+        return self._cache.get(file)
+
+    def _open(self, file: int) -> MPI.File:
         info = self._info()
         try:
-            handle = MPI.File.Open(MPI.COMM_SELF, self.paths[file], MPI.MODE_WRONLY, info)
+            return MPI.File.Open(MPI.COMM_SELF, self.paths[file], MPI.MODE_WRONLY, info)
         except MPI.Exception as exc:
             raise WriteError(f"{self.paths[file]}: cannot open output with MPI-IO ({mpi_error_text(exc)})") from None
         finally:
             info.Free()
-        self._files[file] = handle
-        if len(self._files) > MAX_OPEN_OUTPUTS:
-            self.before_close()
-            old, retired = self._files.popitem(last=False)
-            self._sync_one(old, retired)
-            retired.Close()
-        return handle
+
+    def _retire(self, file: int, handle: MPI.File) -> None:
+        try:
+            self._sync_one(file, handle)
+        finally:
+            handle.Close()
 
     def open(self, file: int) -> None:
         self._handle(file)
@@ -106,12 +102,12 @@ class MpiioOutput(_Output):
             raise WriteError(f"{self.paths[file]}: sync failed ({mpi_error_text(exc)})") from None
 
     def sync(self) -> None:
-        for file, handle in self._files.items():
+        for file, handle in self._cache.handles.items():
             self._sync_one(file, handle)
 
     def close(self) -> None:
-        while self._files:
-            self._files.popitem()[1].Close()
+        while self._cache.handles:
+            self._cache.handles.popitem()[1].Close()
 
 
 def _info_items(handle: MPI.File) -> dict[str, str]:

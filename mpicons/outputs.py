@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import errno
 import os
-from collections import OrderedDict
 from typing import Callable, Mapping, Protocol, Sequence
 
 import numpy as np
 
 from .comm import Communicator
 from .errors import InputError, WriteError
-from .sources import MAX_TRANSFER, SourceFiles
+from .sources import MAX_TRANSFER, CachedHandles, HandleCache, SourceFiles
 
 #: Output files a rank keeps open at once (per backend), so thousands of outputs never exhaust descriptors.
 MAX_OPEN_OUTPUTS = 128
@@ -62,7 +61,7 @@ class _Output:
         self.durable = durable  # flush to stable storage before publishing
 
 
-class PosixOutput(_Output):
+class PosixOutput(_Output, CachedHandles):
     """Outputs written with pwrite / copy_file_range; the owner rank creates them, every rank writes."""
 
     name = "posix"
@@ -71,12 +70,8 @@ class PosixOutput(_Output):
     def __init__(self, *args: object, owner: int = 0, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
         self.owner = owner
-        self._fds: OrderedDict[int, int] = OrderedDict()
         self._copy_range = hasattr(os, "copy_file_range")
-        #: Open output handles are bounded whatever the number of output files.
-        self.max_open = MAX_OPEN_OUTPUTS
-        #: Called before a handle is closed to make room, so background I/O never loses its file.
-        self.before_close: Callable[[], None] = lambda: None
+        self._cache: HandleCache[int] = HandleCache(self._open, self._retire, MAX_OPEN_OUTPUTS)
 
     def create(self) -> None:
         """The owner creates each file exclusively, writes its header and sizes it (others do nothing)."""
@@ -90,44 +85,43 @@ class PosixOutput(_Output):
             try:
                 _pwrite_all(fd, memoryview(header), 0, path)
                 os.ftruncate(fd, size)
-                if self.durable:
-                    os.fsync(fd)
             except OSError as exc:
                 raise WriteError(f"{path}: cannot size output to {size} bytes ({exc.strerror})") from None
             finally:
-                os.close(fd)
+                self._retire_path(path, fd)
 
     def hints_in_effect(self) -> dict[str, str]:
         return {}
 
     def open(self, file: int) -> None:
         """Open output ``file`` now (from the main thread, before background writes use it)."""
-        self._fd(file)
+        self._cache.get(file)
 
     def _fd(self, file: int) -> int:
-        fd = self._fds.get(file)
-        if fd is not None:
-            self._fds.move_to_end(file)
-            return fd
+        return self._cache.get(file)
+
+    def _open(self, file: int) -> int:
         try:
-            fd = os.open(self.paths[file], os.O_WRONLY | _NOFOLLOW)
+            return os.open(self.paths[file], os.O_WRONLY | _NOFOLLOW)
         except OSError as exc:
             raise WriteError(f"{self.paths[file]}: cannot open output ({exc.strerror})") from None
-        self._fds[file] = fd
-        if len(self._fds) > self.max_open:
-            self.before_close()
-            self._retire(*self._fds.popitem(last=False))
-        return fd
 
     def _retire(self, file: int, fd: int) -> None:
+        self._retire_path(self.paths[file], fd)
+
+    def _retire_path(self, path: str, fd: int) -> None:
         """Close a handle; what was written through it is flushed first when outputs must be durable."""
         try:
-            if self.durable:
-                os.fsync(fd)
-        except OSError as exc:
-            raise WriteError(f"{self.paths[file]}: fsync failed ({exc.strerror})") from None
+            self._flush(path, fd)
         finally:
             os.close(fd)
+
+    def _flush(self, path: str, fd: int) -> None:
+        if self.durable:
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise WriteError(f"{path}: fsync failed ({exc.strerror})") from None
 
     def write(self, file: int, offset: int, data: memoryview) -> None:
         _pwrite_all(self._fd(file), data, offset, self.paths[file])
@@ -168,17 +162,12 @@ class PosixOutput(_Output):
 
     def sync(self) -> None:
         """Flush what this rank wrote (handles closed earlier were flushed when they were closed)."""
-        if not self.durable:
-            return
-        for file, fd in self._fds.items():
-            try:
-                os.fsync(fd)
-            except OSError as exc:
-                raise WriteError(f"{self.paths[file]}: fsync failed ({exc.strerror})") from None
+        for file, fd in self._cache.handles.items():
+            self._flush(self.paths[file], fd)
 
     def close(self) -> None:
-        while self._fds:
-            os.close(self._fds.popitem()[1])
+        while self._cache.handles:
+            os.close(self._cache.handles.popitem()[1])
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int, path: str) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Callable, Sequence
+from typing import Callable, Generic, Sequence, TypeVar
 
 from .errors import WriteError
 
@@ -12,35 +12,77 @@ from .errors import WriteError
 MAX_TRANSFER = 1 << 30
 
 
-class SourceFiles:
+H = TypeVar("H")
+
+
+class HandleCache(Generic[H]):
+    """At most ``max_open`` open handles, least recently used closed first, so thousands of files never
+    exhaust descriptors. ``before_close`` runs before a handle is closed to make room (a writer drains
+    its background I/O there), ``retire`` closes one."""
+
+    def __init__(self, open_one: Callable[[int], H], retire: Callable[[int, H], None], max_open: int) -> None:
+        self.open_one = open_one
+        self.retire = retire
+        self.max_open = max_open
+        self.handles: OrderedDict[int, H] = OrderedDict()
+        self.before_close: Callable[[], None] = lambda: None
+
+    def get(self, key: int) -> H:
+        handle = self.handles.get(key)
+        if handle is not None:
+            self.handles.move_to_end(key)
+            return handle
+        handle = self.handles[key] = self.open_one(key)
+        if len(self.handles) > self.max_open:
+            self.before_close()
+            self.retire(*self.handles.popitem(last=False))
+        return handle
+
+    def close(self) -> None:
+        """Close every handle (the first failure is raised once all are closed)."""
+        first: BaseException | None = None
+        while self.handles:
+            try:
+                self.retire(*self.handles.popitem())
+            except BaseException as exc:  # noqa: BLE001 - every handle is closed before raising
+                first = first or exc
+        if first is not None:
+            raise first
+
+
+class CachedHandles:
+    """Something that keeps its handles in a :class:`HandleCache` (and lets its user hook ``before_close``)."""
+
+    _cache: HandleCache  # type: ignore[type-arg]
+
+    @property
+    def before_close(self) -> Callable[[], None]:
+        return self._cache.before_close
+
+    @before_close.setter
+    def before_close(self, hook: Callable[[], None]) -> None:
+        self._cache.before_close = hook
+
+
+class SourceFiles(CachedHandles):
     """Read-only handles on the shard files, opened on first use and kept in a bounded cache."""
 
     def __init__(self, directory: str, names: Sequence[str], max_open: int = 256) -> None:
         self.directory = directory
         self.names = names
-        self.max_open = max_open
-        self._open: OrderedDict[int, int] = OrderedDict()
-        #: Called before a handle is closed to make room, so background I/O never loses its file.
-        self.before_close: Callable[[], None] = lambda: None
+        self._cache: HandleCache[int] = HandleCache(self._open, lambda _, fd: os.close(fd), max_open)
 
     def path(self, file: int) -> str:
         return os.path.join(self.directory, self.names[file])
 
-    def fd(self, file: int) -> int:
-        fd = self._open.get(file)
-        if fd is not None:
-            self._open.move_to_end(file)
-            return fd
+    def _open(self, file: int) -> int:
         try:
-            fd = os.open(self.path(file), os.O_RDONLY)
+            return os.open(self.path(file), os.O_RDONLY)
         except OSError as exc:
             raise WriteError(f"{self.path(file)}: cannot open shard ({exc.strerror})") from None
-        self._open[file] = fd
-        if len(self._open) > self.max_open:
-            self.before_close()
-            _, old = self._open.popitem(last=False)
-            os.close(old)
-        return fd
+
+    def fd(self, file: int) -> int:
+        return self._cache.get(file)
 
     def read_into(self, file: int, offset: int, target: memoryview) -> None:
         """Fill ``target`` with the bytes at ``offset`` of shard ``file``."""
@@ -56,5 +98,4 @@ class SourceFiles:
             done += got
 
     def close(self) -> None:
-        while self._open:
-            os.close(self._open.popitem()[1])
+        self._cache.close()
