@@ -43,8 +43,9 @@ THIS = str(Path(__file__).resolve())
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--size", type=parse_size, default=int(2e9), help="sample checkpoint size, e.g. 2GB (default)")
-    parser.add_argument("--workdir", type=Path, default=REPO / "benchmarks" / "work",
-                        help="samples and outputs (default: %(default)s)")
+    parser.add_argument(
+        "--workdir", type=Path, default=REPO / "benchmarks" / "work", help="samples and outputs (default: %(default)s)"
+    )
     parser.add_argument("--repeat", type=int, default=3, help="runs per case, best reported (default: %(default)s)")
     parser.add_argument("--ranks", default="1,2,4", help="mpicons rank counts (default: %(default)s)")
     parser.add_argument("--splits", default="bytes,files", help="mpicons --split values (default: %(default)s)")
@@ -52,11 +53,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--torch-threads", type=int, default=1, help="num_threads for torch (default: %(default)s)")
     parser.add_argument("--no-torch", action="store_true", help="skip torch even when it is installed")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write every number as JSON")
-    parser.add_argument("--source", choices=("worktree", "head"), default="worktree",
-                        help="mpicons to benchmark: the working tree as it is at the start, or the last commit "
-                             "(either is copied first, so edits during the run do not mix versions; default: %(default)s)")
-    parser.add_argument("--patience", type=float, default=60.0,
-                        help="seconds each run waits for idle CPUs and disk before starting anyway (default: %(default)s)")
+    parser.add_argument(
+        "--source",
+        choices=("worktree", "head"),
+        default="worktree",
+        help="mpicons to benchmark: the working tree as it is at the start, or the last commit "
+        "(either is copied first, so edits during the run do not mix versions; default: %(default)s)",
+    )
+    parser.add_argument(
+        "--patience",
+        type=float,
+        default=60.0,
+        help="seconds each run waits for idle CPUs and disk before starting anyway (default: %(default)s)",
+    )
     return parser.parse_args(argv)
 
 
@@ -74,8 +83,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"bench: {command}")
     print(f"machine: {info['nproc']} cores, kernel {info['kernel']}, {info['filesystem']} at {workdir}, torch {info['torch']}")
     print(f"mpicons: {label}")
-    dense = run_dense(ctx, workdir, args.size, [int(x) for x in args.ranks.split(",")], args.splits.split(","),
-                      args.ios.split(","), torch=not args.no_torch, torch_threads=args.torch_threads)
+    dense = run_dense(
+        ctx,
+        workdir,
+        args.size,
+        [int(x) for x in args.ranks.split(",")],
+        args.splits.split(","),
+        args.ios.split(","),
+        torch=not args.no_torch,
+        torch_threads=args.torch_threads,
+    )
     result = report(dense, args.repeat, ctx.quiet.busy_runs)
     total = time.perf_counter() - began
     print(f"\nbench: done in {total:.0f} s")

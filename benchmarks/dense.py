@@ -103,8 +103,10 @@ def ensure_sample(ctx: Context, workdir: Path, size: int, float_only: bool) -> P
     checked(ctx.run(mpirun(SAMPLE_RANKS, worker)), f"writing the {name} sample")
     files = {p.name: p.stat().st_size for p in directory.iterdir()}
     marker.write_text(json.dumps({"config": config, "files": files}, indent=1))
-    print(f"bench: wrote {directory} ({sum(files.values()) / 1e9:.3f} GB, {len(files)} files) "
-          f"in {time.perf_counter() - began:.1f} s")
+    print(
+        f"bench: wrote {directory} ({sum(files.values()) / 1e9:.3f} GB, {len(files)} files) "
+        f"in {time.perf_counter() - began:.1f} s"
+    )
     return directory
 
 
@@ -132,8 +134,17 @@ def bench_cp(ctx: Context, ws: Workspace, src: Path, checkpoint: str, sync: bool
     return case
 
 
-def bench_mpicons(ctx: Context, ws: Workspace, src: Path, reference: Path, checkpoint: str, ranks: int, split: str,
-                  io: str, extra: Sequence[str] = ()) -> Case:
+def bench_mpicons(
+    ctx: Context,
+    ws: Workspace,
+    src: Path,
+    reference: Path,
+    checkpoint: str,
+    ranks: int,
+    split: str,
+    io: str,
+    extra: Sequence[str] = (),
+) -> Case:
     """``mpicons consolidate`` under ``mpiexec -n ranks``; each output is cmp'd against the first one.
 
     The first output of a checkpoint becomes its ``reference`` (renamed, not copied).
@@ -147,8 +158,24 @@ def bench_mpicons(ctx: Context, ws: Workspace, src: Path, reference: Path, check
         quiesce(ws.out)
         ctx.quiet.wait(case.name)
         stats_file.unlink(missing_ok=True)
-        cmd = mpirun(ranks, [*MPICONS, "consolidate", str(src), str(ws.out), "--force", "--stats-json", str(stats_file), "-q",
-                             "--split", split, "--io", io, *extra])
+        cmd = mpirun(
+            ranks,
+            [
+                *MPICONS,
+                "consolidate",
+                str(src),
+                str(ws.out),
+                "--force",
+                "--stats-json",
+                str(stats_file),
+                "-q",
+                "--split",
+                split,
+                "--io",
+                io,
+                *extra,
+            ],
+        )
         timed = checked(ctx.run(cmd), case.name)
         stats = json.loads(stats_file.read_text())
         case.walls.append(timed.wall)
@@ -181,8 +208,7 @@ def bench_mpicons(ctx: Context, ws: Workspace, src: Path, reference: Path, check
 
 def mpicons_has(ctx: Context, option: str) -> bool:
     """Whether this mpicons' consolidate command knows ``option`` (newer options are benchmarked when present)."""
-    text = subprocess.run([*MPICONS, "consolidate", "--help"], capture_output=True, text=True, env=ctx.env,
-                          cwd=ctx.cwd).stdout
+    text = subprocess.run([*MPICONS, "consolidate", "--help"], capture_output=True, text=True, env=ctx.env, cwd=ctx.cwd).stdout
     return option in text
 
 
@@ -191,8 +217,12 @@ def mpicons_has(ctx: Context, option: str) -> bool:
 
 def torch_available(ctx: Context) -> bool:
     """Whether torch imports in the benchmark's interpreter (checked in a child: torch stays optional)."""
-    return subprocess.run([PYTHON, "-c", "import torch.distributed.checkpoint._consolidate_hf_safetensors"],
-                          capture_output=True, cwd=ctx.cwd).returncode == 0
+    return (
+        subprocess.run(
+            [PYTHON, "-c", "import torch.distributed.checkpoint._consolidate_hf_safetensors"], capture_output=True, cwd=ctx.cwd
+        ).returncode
+        == 0
+    )
 
 
 def _free_port() -> int:
@@ -201,13 +231,22 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_torch_once(ctx: Context, src: Path, out: Path, mapping_file: Path, ranks: int,
-                   threads: int) -> tuple[Timed, dict[str, Any]]:
+def run_torch_once(
+    ctx: Context, src: Path, out: Path, mapping_file: Path, ranks: int, threads: int
+) -> tuple[Timed, dict[str, Any]]:
     """One run of torch's consolidator (``workers/torch_consolidate.py``): 1 process, or ``ranks`` gloo ranks under mpiexec."""
     result_file = out.parent / f"torch-result-{ranks}.json"
     result_file.unlink(missing_ok=True)
-    args = [PYTHON, str(WORKERS / "torch_consolidate.py"), str(src), str(out), str(mapping_file), str(result_file),
-            "--threads", str(threads)]
+    args = [
+        PYTHON,
+        str(WORKERS / "torch_consolidate.py"),
+        str(src),
+        str(out),
+        str(mapping_file),
+        str(result_file),
+        "--threads",
+        str(threads),
+    ]
     env = dict(ctx.env)
     if ranks > 1:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), GLOO_SOCKET_IFNAME="lo")
@@ -219,8 +258,9 @@ def run_torch_once(ctx: Context, src: Path, out: Path, mapping_file: Path, ranks
     return timed, result
 
 
-def bench_torch(ctx: Context, ws: Workspace, src: Path, mapping_file: Path, reference: Path, checkpoint: str, ranks: int,
-                threads: int) -> Case:
+def bench_torch(
+    ctx: Context, ws: Workspace, src: Path, mapping_file: Path, reference: Path, checkpoint: str, ranks: int, threads: int
+) -> Case:
     """torch's consolidate_safetensors_files (1 process) or ..._on_every_rank (gloo, ``ranks`` ranks)."""
     label = "consolidate_safetensors_files" if ranks == 1 else f"..._on_every_rank -n {ranks}"
     case = Case(f"torch {label}", checkpoint, 0.0, ranks=ranks)
@@ -249,8 +289,17 @@ def bench_torch(ctx: Context, ws: Workspace, src: Path, mapping_file: Path, refe
     return case
 
 
-def torch_cases(ctx: Context, ws: Workspace, workdir: Path, full: Path, size: int, threads: int, no_sync: bool,
-                cases: list[Case], notes: list[str]) -> tuple[float | None, str]:
+def torch_cases(
+    ctx: Context,
+    ws: Workspace,
+    workdir: Path,
+    full: Path,
+    size: int,
+    threads: int,
+    no_sync: bool,
+    cases: list[Case],
+    notes: list[str],
+) -> tuple[float | None, str]:
     """torch's two consolidators, and what they need: appends to ``cases`` and ``notes``.
 
     torch's consolidator is tried on the full sample once; it cannot read int/bool tensors, and
@@ -267,8 +316,10 @@ def torch_cases(ctx: Context, ws: Workspace, workdir: Path, full: Path, size: in
     checkpoint, src = "full", full
     if timed.code != 0 or result.get("error"):
         error = (result.get("error") or timed.log).strip().splitlines()[-1]
-        notes.append(f"torch on the full sample failed ({error}); torch and the mpicons rows marked 'float' use a "
-                     "float-only variant of the sample (the same tensors without its int/bool buffers)")
+        notes.append(
+            f"torch on the full sample failed ({error}); torch and the mpicons rows marked 'float' use a "
+            "float-only variant of the sample (the same tensors without its int/bool buffers)"
+        )
         checkpoint, src = "float", ensure_sample(ctx, workdir, size, float_only=True)
         mapping_file = workdir / "mapping-float.json"
         mapping_file.write_text(json.dumps(sample_mapping(size, float_only=True)))
@@ -287,16 +338,26 @@ def torch_cases(ctx: Context, ws: Workspace, workdir: Path, full: Path, size: in
         print(f"bench: {case.name}: {case.wall:.2f} s (call {case.call:.2f} s)")
         if n == 1:
             torch_call = case.call
-        notes.append(f"{case.name}: output tensors {'equal' if case.detail['same_tensors_as_mpicons'] else 'DIFFER FROM'} "
-                     f"mpicons' ({case.detail.get('difference', 'name, dtype, shape and bytes')})")
+        notes.append(
+            f"{case.name}: output tensors {'equal' if case.detail['same_tensors_as_mpicons'] else 'DIFFER FROM'} "
+            f"mpicons' ({case.detail.get('difference', 'name, dtype, shape and bytes')})"
+        )
     return torch_call, checkpoint
 
 
 # ---------------------------------------------------------------- the whole dense benchmark
 
 
-def run_dense(ctx: Context, workdir: Path, size: int, ranks: Sequence[int], splits: Sequence[str], ios: Sequence[str],
-              torch: bool, torch_threads: int) -> DenseResult:
+def run_dense(
+    ctx: Context,
+    workdir: Path,
+    size: int,
+    ranks: Sequence[int],
+    splits: Sequence[str],
+    ios: Sequence[str],
+    torch: bool,
+    torch_threads: int,
+) -> DenseResult:
     """cp -r, cp -r + sync, the mpicons matrix, its --no-sync rows, then torch (unless ``torch`` is False)."""
     ws = Workspace(workdir / "out", workdir / "stats")
     ws.stats_dir.mkdir(parents=True, exist_ok=True)

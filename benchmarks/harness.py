@@ -51,8 +51,7 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * units[match.group(2).lower()])
 
 
-def run_timed(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
-              timeout: float = 1800.0) -> Timed:
+def run_timed(cmd: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None, timeout: float = 1800.0) -> Timed:
     """Run ``cmd`` and time it, with the peak RSS of the largest process in its tree.
 
     ``ru_maxrss`` of a reaped child is the largest RSS among it and the descendants it reaped
@@ -257,7 +256,6 @@ def machine(where: Path = REPO) -> dict[str, str]:
 
 def best(times: Sequence[Timed]) -> Timed:
     return min(times, key=lambda t: t.wall)
-
 
 
 # ---------------------------------------------------------------- the sources under test

@@ -52,8 +52,19 @@ def run(ranks: int, source: str, out: Path, extra: list[str]) -> dict[str, float
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=False)
     stats = out.parent / f"{out.name}.json"
-    command = [str(VENV_BIN / "mpiexec"), "-n", str(ranks), str(VENV_BIN / "mpicons"), "consolidate", source, str(out),
-               "-q", "--stats-json", str(stats), *extra]
+    command = [
+        str(VENV_BIN / "mpiexec"),
+        "-n",
+        str(ranks),
+        str(VENV_BIN / "mpicons"),
+        "consolidate",
+        source,
+        str(out),
+        "-q",
+        "--stats-json",
+        str(stats),
+        *extra,
+    ]
     start = time.monotonic()
     subprocess.run(command, check=True)
     wall = time.monotonic() - start

@@ -102,15 +102,20 @@ def main() -> None:
                 name = f"mpicons -n {n}" + ("" if durable else " --no-sync")
                 target = args.workdir / f"moe-mpicons-{n}-{int(durable)}"
                 stats_file = args.workdir / f"moe-stats-{n}-{int(durable)}.json"
-                cmd = mpirun(n, [PYTHON, "-m", "mpicons", "consolidate", str(source), str(target), "-q",
-                                 "--stats-json", str(stats_file)] + ([] if durable else ["--no-sync"]))
+                cmd = mpirun(
+                    n,
+                    [PYTHON, "-m", "mpicons", "consolidate", str(source), str(target), "-q", "--stats-json", str(stats_file)]
+                    + ([] if durable else ["--no-sync"]),
+                )
                 run(name, cmd, target)
                 stats[name] = json.loads(stats_file.read_text())
         if args.torch:
             torch_out = args.workdir / "moe-torch"
-            script = (f"import time, json; from torch.distributed.checkpoint._consolidate_hf_safetensors import "
-                      f"consolidate_safetensors_files as c; c({str(source)!r}, {str(torch_out)!r}, "
-                      f"fqn_to_index_mapping=None, num_threads=1)")
+            script = (
+                f"import time, json; from torch.distributed.checkpoint._consolidate_hf_safetensors import "
+                f"consolidate_safetensors_files as c; c({str(source)!r}, {str(torch_out)!r}, "
+                f"fqn_to_index_mapping=None, num_threads=1)"
+            )
             run("torch consolidate_safetensors_files", [PYTHON, "-c", script], torch_out)
     reference = args.workdir / f"moe-mpicons-{ranks[0]}-1"
     differing = [n for n in ranks for d in (0, 1) if same_tree(reference, args.workdir / f"moe-mpicons-{n}-{d}")]
@@ -121,23 +126,37 @@ def main() -> None:
     checked_tensors = check_sample(str(reference), SampleConfig(**described["config"]), MPI.COMM_SELF)  # type: ignore[arg-type]
     best = {name: min(times, key=lambda t: t.wall) for name, times in cases.items()}
     cp, cp_sync = best["cp -r"].wall, best["cp -r + sync"].wall
-    print(f"MoE sample: {count:,} pieces, {described['tensors']:,} tensors, {args.training_ranks} training ranks, "
-          f"{dir_bytes(source) / 1e6:.0f} MB of shards ({total / 1e6:.0f} MB read warm); best of {args.repeat}")
+    print(
+        f"MoE sample: {count:,} pieces, {described['tensors']:,} tensors, {args.training_ranks} training ranks, "
+        f"{dir_bytes(source) / 1e6:.0f} MB of shards ({total / 1e6:.0f} MB read warm); best of {args.repeat}"
+    )
     print(f"{'case':<34}{'wall s':>8}{'x cp -r':>9}{'x cp+sync':>10}{'RSS/rank MB':>13}{'scan':>7}{'plan':>7}{'write':>7}")
     for name, timed in best.items():
         phases = stats.get(name, {}).get("phases", {})
         cols = "".join(f"{phases[p]['max']:>7.2f}" if p in phases else f"{'':>7}" for p in ("scan", "plan", "write"))
         print(f"{name:<34}{timed.wall:>8.3f}{timed.wall / cp:>9.2f}{timed.wall / cp_sync:>10.2f}{timed.rss_mb:>13.0f}{cols}")
-    print(f"outputs byte-identical across rank counts and sync modes: {not differing}; "
-          f"{checked_tensors} tensors equal the sample's values")
+    print(
+        f"outputs byte-identical across rank counts and sync modes: {not differing}; "
+        f"{checked_tensors} tensors equal the sample's values"
+    )
     if quiet.busy_runs:
         print("runs that started on a busy machine:", "; ".join(quiet.busy_runs))
     if args.json:
-        args.json.write_text(json.dumps({
-            "machine": machine(), "pieces": count, "sample": described, "mpiexec": MPIEXEC,
-            "cases": {n: [t.__dict__ | {"log": ""} for t in ts] for n, ts in cases.items()}, "stats": stats,
-            "identical": not differing, "busy_runs": quiet.busy_runs,
-        }, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": machine(),
+                    "pieces": count,
+                    "sample": described,
+                    "mpiexec": MPIEXEC,
+                    "cases": {n: [t.__dict__ | {"log": ""} for t in ts] for n, ts in cases.items()},
+                    "stats": stats,
+                    "identical": not differing,
+                    "busy_runs": quiet.busy_runs,
+                },
+                indent=1,
+            )
+        )
 
 
 if __name__ == "__main__":

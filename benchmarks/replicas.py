@@ -61,8 +61,25 @@ def consolidate(source: Path, out: Path, ranks: int) -> tuple[float, float]:
     shutil.rmtree(out, ignore_errors=True)
     stats = out.parent / f"{out.name}.json"
     start = time.perf_counter()
-    subprocess.run([MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpicons", "consolidate", str(source), str(out),
-                    "-q", "--no-sync", "--stats-json", str(stats)], check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    subprocess.run(
+        [
+            MPIEXEC,
+            "-n",
+            str(ranks),
+            sys.executable,
+            "-m",
+            "mpicons",
+            "consolidate",
+            str(source),
+            str(out),
+            "-q",
+            "--no-sync",
+            "--stats-json",
+            str(stats),
+        ],
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     wall = time.perf_counter() - start
     return wall, json.loads(stats.read_text())["elapsed"]["max"]
 
@@ -92,13 +109,17 @@ def main() -> None:
     )
     extra = (args.training_ranks - 1) * args.replicated
     hashed = args.training_ranks * args.replicated
-    print(f"replicated tensor {args.replicated / 1e6:.0f} MB, {args.training_ranks} training ranks, {args.ranks} mpicons ranks, "
-          f"best of {args.repeat}; outputs identical: {same}")
+    print(
+        f"replicated tensor {args.replicated / 1e6:.0f} MB, {args.training_ranks} training ranks, {args.ranks} mpicons ranks, "
+        f"best of {args.repeat}; outputs identical: {same}"
+    )
     for name, (wall, call) in best.items():
         print(f"  stored {name:<5}  wall {wall:6.3f} s   consolidation {call:6.3f} s")
     cost = best["every"][1] - best["once"][1]
-    print(f"  check: {cost:.3f} s for {hashed / 1e6:.0f} MB of copies hashed ({extra / 1e6:.0f} MB more read than stored once): "
-          f"{hashed / 1e9 / cost if cost > 0 else float('inf'):.2f} GB/s over {args.ranks} ranks")
+    print(
+        f"  check: {cost:.3f} s for {hashed / 1e6:.0f} MB of copies hashed ({extra / 1e6:.0f} MB more read than stored once): "
+        f"{hashed / 1e9 / cost if cost > 0 else float('inf'):.2f} GB/s over {args.ranks} ranks"
+    )
 
 
 if __name__ == "__main__":

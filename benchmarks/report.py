@@ -38,8 +38,10 @@ def table(cases: list[Case], cp: dict[str, float], torch_call: float | None, tor
     ``x cp`` and ``x torch`` are this case's time divided by the reference's: below 1 is faster.
     ``worst s`` is the slowest repeat, to show how noisy the machine was.
     """
-    head = (f"{'case':<40}{'ckpt':>6}{'wall s':>9}{'call s':>9}{'x cp':>7}{'x torch':>9}"
-            f"{'RSS/rank MB':>13}{'bytes/rank max/mean MB':>24}{'max/mean':>10}{'worst s':>9}")
+    head = (
+        f"{'case':<40}{'ckpt':>6}{'wall s':>9}{'call s':>9}{'x cp':>7}{'x torch':>9}"
+        f"{'RSS/rank MB':>13}{'bytes/rank max/mean MB':>24}{'max/mean':>10}{'worst s':>9}"
+    )
     lines = [head, "-" * len(head)]
     for c in cases:
         ref = cp.get(c.checkpoint)
@@ -64,12 +66,16 @@ def targets(cases: list[Case], cp: dict[str, float], torch_call: float | None, t
     one = find(torch_ckpt, "mpicons -n 1 bytes/posix")
     if one and one.call and torch_call:
         speedup = torch_call / one.call
-        out.append(f"{'PASS' if speedup >= 4 else 'FAIL'}: mpicons -n 1 vs torch consolidate_safetensors_files "
-                   f"(call): {speedup:.1f}x faster (target >= 4x)")
+        out.append(
+            f"{'PASS' if speedup >= 4 else 'FAIL'}: mpicons -n 1 vs torch consolidate_safetensors_files "
+            f"(call): {speedup:.1f}x faster (target >= 4x)"
+        )
         torch_one = next(c for c in cases if c.name == "torch consolidate_safetensors_files")
         durable = torch_one.detail["call_plus_fsync_s"] / one.call
-        out.append(f"info: the same with torch's outputs fsynced as mpicons' are (call + fsync "
-                   f"{torch_one.detail['call_plus_fsync_s']:.2f} s): {durable:.1f}x faster")
+        out.append(
+            f"info: the same with torch's outputs fsynced as mpicons' are (call + fsync "
+            f"{torch_one.detail['call_plus_fsync_s']:.2f} s): {durable:.1f}x faster"
+        )
         one_ns = find(torch_ckpt, "mpicons -n 1 bytes/posix no-sync")
         if one_ns and one_ns.call:
             out.append(f"info: mpicons -n 1 --no-sync vs torch (neither fsyncs): {torch_call / one_ns.call:.1f}x faster")
@@ -89,8 +95,10 @@ def targets(cases: list[Case], cp: dict[str, float], torch_call: float | None, t
     out.append(f"{'PASS' if rss < 200 else 'FAIL'}: mpicons peak RSS per rank, max over all runs: {rss:.0f} MB (target < 200)")
     four = find("full", "mpicons -n 4 bytes/posix")
     if four and four.imbalance is not None:
-        out.append(f"{'PASS' if four.imbalance <= 1.10 else 'FAIL'}: bytes/rank max/mean at 4 ranks (split bytes): "
-                   f"{four.imbalance:.3f} (target <= 1.10)")
+        out.append(
+            f"{'PASS' if four.imbalance <= 1.10 else 'FAIL'}: bytes/rank max/mean at 4 ranks (split bytes): "
+            f"{four.imbalance:.3f} (target <= 1.10)"
+        )
     return out
 
 
@@ -100,14 +108,18 @@ def report(result: DenseResult, repeat: int, busy_runs: list[str]) -> dict[str, 
     notes = list(result.notes)
     sample_bytes = dir_bytes(result.sample)
     print()
-    print(f"sample: {sample_bytes / 1e9:.3f} GB in {len(list(result.sample.iterdir()))} shard files; best of {repeat}; "
-          f"'call' = the consolidation itself (mpicons: stats elapsed.max; torch: timed around the call)")
+    print(
+        f"sample: {sample_bytes / 1e9:.3f} GB in {len(list(result.sample.iterdir()))} shard files; best of {repeat}; "
+        f"'call' = the consolidation itself (mpicons: stats elapsed.max; torch: timed around the call)"
+    )
     print(table(cases, cp, result.torch_call, result.torch_checkpoint))
     if busy_runs:
         notes.append(f"{len(busy_runs)} runs started while other processes kept the CPUs busy: {'; '.join(busy_runs)}")
     mpicons_runs = sum(len(c.walls) for c in cases if c.name.startswith("mpicons"))
-    notes.append(f"all {mpicons_runs} mpicons outputs are byte-identical (cmp of every file) to the first one "
-                 f"of their checkpoint ({len(result.identical)} compared + the references)")
+    notes.append(
+        f"all {mpicons_runs} mpicons outputs are byte-identical (cmp of every file) to the first one "
+        f"of their checkpoint ({len(result.identical)} compared + the references)"
+    )
     print()
     for line in notes:
         print(f"note: {line}")
@@ -115,5 +127,13 @@ def report(result: DenseResult, repeat: int, busy_runs: list[str]) -> dict[str, 
     goals = targets(cases, cp, result.torch_call, result.torch_checkpoint)
     for line in goals:
         print(line)
-    return {"sample_bytes": sample_bytes, "cases": [asdict(c) for c in cases], "cp_s": cp, "torch_call_s": result.torch_call,
-            "torch_checkpoint": result.torch_checkpoint, "notes": notes, "targets": goals, "busy_runs": busy_runs}
+    return {
+        "sample_bytes": sample_bytes,
+        "cases": [asdict(c) for c in cases],
+        "cp_s": cp,
+        "torch_call_s": result.torch_call,
+        "torch_checkpoint": result.torch_checkpoint,
+        "notes": notes,
+        "targets": goals,
+        "busy_runs": busy_runs,
+    }

@@ -48,5 +48,17 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = ["consolidate", "ConsolidateResult", "inspect", "InspectReport", "verify", "VerifyReport", "Options",
-           "Communicator", "MpiconsError", "InputError", "WriteError", "__version__"]
+__all__ = [
+    "consolidate",
+    "ConsolidateResult",
+    "inspect",
+    "InspectReport",
+    "verify",
+    "VerifyReport",
+    "Options",
+    "Communicator",
+    "MpiconsError",
+    "InputError",
+    "WriteError",
+    "__version__",
+]

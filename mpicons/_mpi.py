@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -79,7 +80,7 @@ class MPIComm:
     def ibarrier(self) -> _Request:
         return _Request(self.mpi.Ibarrier())
 
-    def duplicate(self) -> "MPIComm":
+    def duplicate(self) -> MPIComm:
         return MPIComm(self.mpi.Dup())
 
     def free(self) -> None:

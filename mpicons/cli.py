@@ -15,7 +15,8 @@ import os
 import re
 import sys
 import traceback
-from typing import IO, TYPE_CHECKING, Any, Callable, NoReturn, Sequence
+from collections.abc import Callable, Sequence
+from typing import IO, TYPE_CHECKING, NoReturn
 
 from . import __version__
 from .errors import InputError, MpiconsError, WriteError
@@ -27,9 +28,22 @@ if TYPE_CHECKING:
     from .options import Options
 
 DEFAULT_BUFFER_SIZE = 32 << 20
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "b": 1}
+_UNITS = {
+    "": 1,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+    "t": 1 << 40,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "b": 1,
+}
 #: Where launchers put a process's rank before MPI starts (MPICH/hydra, Open MPI, PMIx, Slurm, MVAPICH).
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "MV2_COMM_WORLD_RANK")
 _SPLITS = ("bytes", "files")
@@ -132,8 +146,13 @@ def build_parser() -> argparse.ArgumentParser:
     check = commands.add_parser("verify", help="check a consolidated checkpoint (files, index; values with --against)")
     check.add_argument("output_dir", help="directory of model-IIIII-of-NNNNN.safetensors files and the index")
     check.add_argument("--against", metavar="DIR", help="also compare every tensor with the sharded checkpoint in DIR")
-    check.add_argument("--buffer-size", type=parse_size, default=DEFAULT_BUFFER_SIZE, metavar="SIZE",
-                       help="memory per rank for comparing blocks (default: 32M)")
+    check.add_argument(
+        "--buffer-size",
+        type=parse_size,
+        default=DEFAULT_BUFFER_SIZE,
+        metavar="SIZE",
+        help="memory per rank for comparing blocks (default: 32M)",
+    )
     check.add_argument("--dtype", choices=_DTYPES, help="the output was written with --dtype: convert the shards alike")
     check.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to standard output)")
     check.add_argument("-q", "--quiet", action="store_true", help="print only the problems")
@@ -142,44 +161,85 @@ def build_parser() -> argparse.ArgumentParser:
     look = commands.add_parser("inspect", help="show tensors, shards, problems and each rank's work, writing nothing")
     look.add_argument("input_dir", help="directory of shard-RRRRR-model-IIIII-of-NNNNN.safetensors files")
     look.add_argument("--ranks", type=_int_at_least(1), metavar="N", help="plan for N ranks (default: this job's size)")
-    look.add_argument("--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json")
+    look.add_argument(
+        "--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json"
+    )
     look.add_argument("--split", choices=_SPLITS, default="bytes", help="work split over ranks (default: %(default)s)")
     look.add_argument("--dtype", choices=_DTYPES, help="plan with floating-point tensors converted")
     look.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", help="plan a Hugging Face re-sharding, e.g. 5GB")
-    look.add_argument("--json", metavar="FILE", help="write the full report as JSON ('-': to standard output, instead of the table)")
-    look.add_argument("--limit", type=_int_at_least(0), default=50, metavar="N",
-                      help="rows per list in the table, 0 for all (default: %(default)s)")
+    look.add_argument(
+        "--json", metavar="FILE", help="write the full report as JSON ('-': to standard output, instead of the table)"
+    )
+    look.add_argument(
+        "--limit",
+        type=_int_at_least(0),
+        default=50,
+        metavar="N",
+        help="rows per list in the table, 0 for all (default: %(default)s)",
+    )
     look.set_defaults(func=_cmd_inspect)
     return parser
 
 
 def _add_job_options(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument("--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json")
+    cmd.add_argument(
+        "--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json"
+    )
     cmd.add_argument("--dtype", choices=_DTYPES, help="convert floating-point tensors (round to nearest even)")
-    cmd.add_argument("--max-shard-size", type=parse_size, metavar="SIZE",
-                     help="re-shard like Hugging Face, e.g. 5GB (10^9 bytes), instead of following the shard names")
-    cmd.add_argument("--format", dest="output_format", choices=_FORMATS, default="safetensors",
-                     help="output: Hugging Face safetensors files (default) or one HDF5 file (needs h5py)")
-    cmd.add_argument("--gather-to", type=_int_at_least(0), metavar="RANK",
-                     help="write every output on this rank only (its local OUTPUT_DIR); data moves over MPI")
+    cmd.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="re-shard like Hugging Face, e.g. 5GB (10^9 bytes), instead of following the shard names",
+    )
+    cmd.add_argument(
+        "--format",
+        dest="output_format",
+        choices=_FORMATS,
+        default="safetensors",
+        help="output: Hugging Face safetensors files (default) or one HDF5 file (needs h5py)",
+    )
+    cmd.add_argument(
+        "--gather-to",
+        type=_int_at_least(0),
+        metavar="RANK",
+        help="write every output on this rank only (its local OUTPUT_DIR); data moves over MPI",
+    )
     cmd.add_argument("--split", choices=_SPLITS, default="bytes", help="work split over ranks (default: %(default)s)")
     cmd.add_argument("--io", choices=_BACKENDS, default="posix", help="output backend (default: %(default)s)")
     cmd.add_argument("--hint", type=_hint, action="append", default=[], metavar="KEY=VALUE", help="MPI-IO hint (repeatable)")
-    cmd.add_argument("--buffer-size", type=parse_size, default=DEFAULT_BUFFER_SIZE, metavar="SIZE",
-                     help="memory per rank for assembling blocks (default: 32M)")
+    cmd.add_argument(
+        "--buffer-size",
+        type=parse_size,
+        default=DEFAULT_BUFFER_SIZE,
+        metavar="SIZE",
+        help="memory per rank for assembling blocks (default: 32M)",
+    )
     cmd.add_argument("--force", action="store_true", help="replace an existing checkpoint in OUTPUT_DIR")
-    cmd.add_argument("--break-lock", action="store_true",
-                     help="take over OUTPUT_DIR although another run's lock is there (only when that run is dead)")
-    cmd.add_argument("--no-sync", dest="sync", action="store_false",
-                     help="do not flush outputs to stable storage (scratch data, benchmarks): faster, not power-loss safe")
-    cmd.add_argument("--progress", type=float, default=10.0, metavar="N",
-                     help="progress line every N seconds on standard error (a bar on a terminal); 0 turns it off (default: %(default)s)")
+    cmd.add_argument(
+        "--break-lock",
+        action="store_true",
+        help="take over OUTPUT_DIR although another run's lock is there (only when that run is dead)",
+    )
+    cmd.add_argument(
+        "--no-sync",
+        dest="sync",
+        action="store_false",
+        help="do not flush outputs to stable storage (scratch data, benchmarks): faster, not power-loss safe",
+    )
+    cmd.add_argument(
+        "--progress",
+        type=float,
+        default=10.0,
+        metavar="N",
+        help="progress line every N seconds on standard error (a bar on a terminal); 0 turns it off (default: %(default)s)",
+    )
     cmd.add_argument("--stats-json", metavar="FILE", help="write the timing report as JSON ('-': to standard output)")
     cmd.add_argument("-q", "--quiet", action="store_true", help="print nothing but errors")
     cmd.add_argument("-v", "--verbose", action="store_true", help="print per-rank detail")
 
 
-def job_options(args: argparse.Namespace) -> "Options":
+def job_options(args: argparse.Namespace) -> Options:
     """The library's options object from the parsed command line (every field has an option)."""
     from .options import Options
 
@@ -217,7 +277,7 @@ def check_report_path(path: str | None) -> None:
         raise InputError(f"{path}: cannot write the report there (no write permission, or a read-only file system)")
 
 
-def write_report(comm: "Comm", path: str | None, make: Callable[[], object], root: int = 0) -> None:
+def write_report(comm: Comm, path: str | None, make: Callable[[], object], root: int = 0) -> None:
     """Write a JSON report from ``root`` ('-': standard output); every rank learns whether it worked."""
     from .parallel import agree_on
 
@@ -236,7 +296,7 @@ def write_report(comm: "Comm", path: str | None, make: Callable[[], object], roo
         agree_on(comm, root, write)
 
 
-def _check_report_paths(comm: "Comm", *paths: str | None) -> None:
+def _check_report_paths(comm: Comm, *paths: str | None) -> None:
     from .parallel import agree_on
 
     def check() -> None:
@@ -249,7 +309,7 @@ def _check_report_paths(comm: "Comm", *paths: str | None) -> None:
 # ---------------------------------------------------------------- commands
 
 
-def _print_result(args: argparse.Namespace, comm: "Comm", result: "ConsolidateResult") -> None:
+def _print_result(args: argparse.Namespace, comm: Comm, result: ConsolidateResult) -> None:
     if comm.rank != 0 or args.quiet or args.stats_json == "-":
         return
     lines = [result.stats.table()]
@@ -265,13 +325,13 @@ def _print_result(args: argparse.Namespace, comm: "Comm", result: "ConsolidateRe
     say("\n".join(lines))
 
 
-def _stats_report(result: "ConsolidateResult") -> dict[str, object]:
+def _stats_report(result: ConsolidateResult) -> dict[str, object]:
     report = result.stats.to_dict()
     report.update(files=result.files, moved_bytes=result.moved_bytes, shared_input=result.shared_input, notes=result.notes)
     return report
 
 
-def _cmd_consolidate(args: argparse.Namespace, comm: "Comm") -> int:
+def _cmd_consolidate(args: argparse.Namespace, comm: Comm) -> int:
     from .consolidation import consolidate
 
     _check_report_paths(comm, args.stats_json)
@@ -281,7 +341,7 @@ def _cmd_consolidate(args: argparse.Namespace, comm: "Comm") -> int:
     return 0
 
 
-def _cmd_demo(args: argparse.Namespace, comm: "Comm") -> int:
+def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
     from .consolidation import consolidate
     from .sample import SampleConfig, check_sample, write_sample
 
@@ -290,8 +350,10 @@ def _cmd_demo(args: argparse.Namespace, comm: "Comm") -> int:
     sharded = os.path.join(args.directory, "sharded")
     output = os.path.join(args.directory, "consolidated")
     if comm.rank == 0 and not args.quiet:
-        say(f"mpicons demo: writing a sample checkpoint ({config.layers} layers, hidden {config.hidden}, "
-            f"{config.dp}x{config.tp} training mesh) to {sharded}")
+        say(
+            f"mpicons demo: writing a sample checkpoint ({config.layers} layers, hidden {config.hidden}, "
+            f"{config.dp}x{config.tp} training mesh) to {sharded}"
+        )
     write_sample(sharded, config, comm)
     result = consolidate(sharded, output, job_options(args), comm=comm, force=True)
     _print_result(args, comm, result)
@@ -302,7 +364,7 @@ def _cmd_demo(args: argparse.Namespace, comm: "Comm") -> int:
     return 0
 
 
-def _cmd_verify(args: argparse.Namespace, comm: "Comm") -> int:
+def _cmd_verify(args: argparse.Namespace, comm: Comm) -> int:
     """Exit 0 when the checkpoint is sound, 1 when it is not (bad arguments raise InputError: exit 2)."""
     from .verify import verify
 
@@ -316,14 +378,19 @@ def _cmd_verify(args: argparse.Namespace, comm: "Comm") -> int:
     return 0 if report.ok else 1
 
 
-def _cmd_inspect(args: argparse.Namespace, comm: "Comm") -> int:
+def _cmd_inspect(args: argparse.Namespace, comm: Comm) -> int:
     """Exit 0 when the checkpoint can be consolidated, 2 when it has problems (the report is printed either way)."""
     from .inspection import inspect
 
     _check_report_paths(comm, args.json)
     report = inspect(
-        args.input_dir, comm=comm, ranks=args.ranks, mapping=args.mapping, split=args.split,
-        dtype=args.dtype, max_shard_size=args.max_shard_size,
+        args.input_dir,
+        comm=comm,
+        ranks=args.ranks,
+        mapping=args.mapping,
+        split=args.split,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
     )
     if comm.rank == 0 and args.json != "-":
         say(report.table(limit=args.limit))

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pickle
 import time
-from typing import Any, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 
@@ -76,7 +77,7 @@ class Communicator(Protocol):
         """A barrier that does not block: poll its request."""
         ...
 
-    def duplicate(self) -> "Communicator":
+    def duplicate(self) -> Communicator:
         """The same ranks on a private channel (for traffic that must not mix with the caller's)."""
         ...
 

@@ -5,24 +5,25 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from .comm import as_communicator
 from .errors import InputError, MpiconsError
 from .exchange import ExchangeWriter
 from .formats import OutputFormat, output_format
 from .interrupts import deferred, forget_pending, raise_pending
-from .outputs import OutputBackend, open_output
-from .sources import SourceFiles
 from .machine import check_buffer_size, host_name
 from .options import DEFAULT_BUFFER_SIZE, FORMATS, Options
 from .outdir import OutputDir
+from .outputs import OutputBackend, open_output
 from .parallel import Comm, agree, agree_on, wait_for_all
 from .plan import INDEX_NAME, Layout, Part, build_layout, parse_mapping
 from .progress import Progress
 from .replicas import check_replicas
 from .scan import Scanned, distribute, rank_directory, scan
+from .sources import SourceFiles
 from .stats import PhaseClock, Stats, reduce_stats
 from .writer import Writer
 
@@ -103,10 +104,19 @@ def check_buffer_fits(comm: Comm, buffer_size: int) -> None:
 
 def plan_job(comm: Comm, scanned: Scanned, options: Options, mapping: dict[str, str] | None) -> tuple[Layout, Part]:
     """The layout (the same on every rank) and this rank's checked part of the pieces."""
-    layout = agree(comm, lambda: build_layout(
-        scanned.files, scanned.names, scanned.facts, comm.size, mapping=mapping, split=options.split,
-        dtype=options.dtype, max_shard_size=options.max_shard_size,
-    ))
+    layout = agree(
+        comm,
+        lambda: build_layout(
+            scanned.files,
+            scanned.names,
+            scanned.facts,
+            comm.size,
+            mapping=mapping,
+            split=options.split,
+            dtype=options.dtype,
+            max_shard_size=options.max_shard_size,
+        ),
+    )
     agree(comm, lambda: output_format(options.output_format).check(layout))
     if options.gather_to is not None:
         everything = [item for items in layout.work for item in items]
@@ -213,10 +223,20 @@ def _write(
     if fmt.preallocated:
         layout = agree_on(comm, owner, lambda: fmt.lay_out(staging, layout))
     paths = [os.path.join(staging, f.name) for f in layout.files]
-    output = agree(comm, lambda: open_output(
-        options.io, comm, paths, [f.header for f in layout.files], [f.size for f in layout.files], options.hints,
-        preallocated=fmt.preallocated, owner=owner, durable=options.sync,
-    ))
+    output = agree(
+        comm,
+        lambda: open_output(
+            options.io,
+            comm,
+            paths,
+            [f.header for f in layout.files],
+            [f.size for f in layout.files],
+            options.hints,
+            preallocated=fmt.preallocated,
+            owner=owner,
+            durable=options.sync,
+        ),
+    )
     sources = SourceFiles(scanned.directory, scanned.files.names)
     try:
         agree(comm, output.create)
@@ -253,8 +273,17 @@ def _write_share(
             written, moved = Writer(layout, part, sources, output, options.buffer_size, on_bytes, io_threads=IO_THREADS).run(), 0
         else:
             with deferred():
-                writer = ExchangeWriter(layout, part, scanned.files, sources, output, options.buffer_size, channel,
-                                        on_bytes, delegate=options.gather_to is None)
+                writer = ExchangeWriter(
+                    layout,
+                    part,
+                    scanned.files,
+                    sources,
+                    output,
+                    options.buffer_size,
+                    channel,
+                    on_bytes,
+                    delegate=options.gather_to is None,
+                )
                 written = writer.run()
                 moved = writer.sent
         return written, moved
@@ -273,5 +302,3 @@ def _close_quietly(output: OutputBackend, sources: SourceFiles) -> None:
         output.close()
     except Exception:  # noqa: BLE001 - cleanup after a failure already being reported
         pass
-
-

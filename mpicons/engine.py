@@ -17,14 +17,13 @@ assembled at all: it is copied file to file (:data:`DIRECT_MIN`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
 
 import numpy as np
 
 from .convert import convert, numpy_dtype
 from .plan import Layout, Part, Tensor, WorkItem
-from .table import Pieces
 
 #: A contiguous, unconverted piece at least this large is copied file to file instead of assembled.
 DIRECT_MIN = 1 << 20
@@ -89,11 +88,11 @@ class Runs:
     def __len__(self) -> int:
         return len(self.file)
 
-    def take(self, index: np.ndarray) -> "Runs":
+    def take(self, index: np.ndarray) -> Runs:
         return Runs(*(getattr(self, n)[index] for n in self.FIELDS))
 
     @classmethod
-    def concat(cls, parts: list["Runs"]) -> "Runs":
+    def concat(cls, parts: list[Runs]) -> Runs:
         if not parts:
             empty = np.zeros(0, dtype=np.int64)
             return cls(empty, empty, empty, empty, empty)
@@ -155,8 +154,16 @@ def plan_item(layout: Layout, part: Part, item: WorkItem, direct: np.ndarray) ->
             continue
         if first > row:
             segments.append(Segment(item.tensor, row, first))
-        copies.append(Direct(int(pieces.file[i]), int(pieces.begin[i]) + (first - int(pieces.offset[i, 0])) * row_bytes,
-                             tensor.file, tensor.offset + first * row_bytes, (last - first) * row_bytes, int(pieces.holder[i])))
+        copies.append(
+            Direct(
+                int(pieces.file[i]),
+                int(pieces.begin[i]) + (first - int(pieces.offset[i, 0])) * row_bytes,
+                tensor.file,
+                tensor.offset + first * row_bytes,
+                (last - first) * row_bytes,
+                int(pieces.holder[i]),
+            )
+        )
         row = last
     if row < item.row_end:
         segments.append(Segment(item.tensor, row, item.row_end))
@@ -187,8 +194,12 @@ def blocks(layout: Layout, segments: list[Segment], block_bytes: int) -> Iterato
             source, size = segment_bytes(layout, segment)
             file = layout.tensors[segment.tensor].file
             offset = segment_offset(layout, segment)
-            if current is None or current.file != file or current.offset + current.size != offset or \
-                    max(current.size + size, current.source_size + source) > block_bytes:
+            if (
+                current is None
+                or current.file != file
+                or current.offset + current.size != offset
+                or max(current.size + size, current.source_size + source) > block_bytes
+            ):
                 if current is not None:
                     yield current
                 current = Block(file, offset)
@@ -212,7 +223,9 @@ def _pairs(layout: Layout, part: Part, block: Block) -> tuple[np.ndarray, ...]:
     sizes = (seg_high - seg_low) * np.prod(arrays.storage[seg_tensor, 1:], axis=1) * arrays.source_unit[seg_tensor]
     counts = part.start[seg_tensor + 1] - part.start[seg_tensor]
     segment = np.repeat(np.arange(len(block.segments)), counts)
-    piece = np.repeat(part.start[seg_tensor], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    piece = (
+        np.repeat(part.start[seg_tensor], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    )
     low = np.maximum(part.pieces.offset[piece, 0], seg_low[segment])
     high = np.minimum(part.pieces.offset[piece, 0] + part.pieces.shape[piece, 0], seg_high[segment])
     keep = high > low
@@ -246,9 +259,20 @@ def runs_of(layout: Layout, part: Part, block: Block, limit: int | None = None) 
             per_row *= np.where(d < innermost, shape[:, d], 1)
         if int(np.where(innermost == 0, 1, (high - low) * per_row).sum()) > limit:
             return None
-    return _runs(storage, offset, shape, pieces.file[piece].astype(np.int64), pieces.begin[piece],
-                 layout.arrays.source_unit[tensor_ids], low, high, seg_low[segment], base[segment],
-                 pieces.holder[piece].astype(np.int64), innermost)
+    return _runs(
+        storage,
+        offset,
+        shape,
+        pieces.file[piece].astype(np.int64),
+        pieces.begin[piece],
+        layout.arrays.source_unit[tensor_ids],
+        low,
+        high,
+        seg_low[segment],
+        base[segment],
+        pieces.holder[piece].astype(np.int64),
+        innermost,
+    )
 
 
 def _prefixed_runs(layout: Layout, part: Part, block: Block, index: int) -> Runs:
@@ -273,14 +297,35 @@ def _prefixed_runs(layout: Layout, part: Part, block: Block, index: int) -> Runs
     storage = np.tile(np.array(tensor.storage[level:], dtype=np.int64), (n, 1))
     low = np.maximum(chosen.offset[:, level], segment.row_begin)
     high = np.minimum(chosen.offset[:, level] + chosen.shape[:, level], segment.row_end)
-    return _runs(storage, chosen.offset[:, level:], chosen.shape[:, level:], chosen.file.astype(np.int64), begin,
-                 np.full(n, tensor.source_unit, dtype=np.int64), low, high, np.full(n, segment.row_begin, dtype=np.int64),
-                 np.full(n, base, dtype=np.int64), chosen.holder.astype(np.int64))
+    return _runs(
+        storage,
+        chosen.offset[:, level:],
+        chosen.shape[:, level:],
+        chosen.file.astype(np.int64),
+        begin,
+        np.full(n, tensor.source_unit, dtype=np.int64),
+        low,
+        high,
+        np.full(n, segment.row_begin, dtype=np.int64),
+        np.full(n, base, dtype=np.int64),
+        chosen.holder.astype(np.int64),
+    )
 
 
-def _runs(storage: np.ndarray, offset: np.ndarray, shape: np.ndarray, file: np.ndarray, begin: np.ndarray,
-          unit: np.ndarray, low: np.ndarray, high: np.ndarray, seg_low: np.ndarray, base: np.ndarray,
-          holder: np.ndarray, innermost: np.ndarray | None = None) -> Runs:
+def _runs(
+    storage: np.ndarray,
+    offset: np.ndarray,
+    shape: np.ndarray,
+    file: np.ndarray,
+    begin: np.ndarray,
+    unit: np.ndarray,
+    low: np.ndarray,
+    high: np.ndarray,
+    seg_low: np.ndarray,
+    base: np.ndarray,
+    holder: np.ndarray,
+    innermost: np.ndarray | None = None,
+) -> Runs:
     """Runs of pieces (one row each) restricted to rows ``[low, high)`` of dimension 0.
 
     Dimensions after the innermost one a piece does not span in full are contiguous in both the
@@ -303,8 +348,15 @@ def _runs(storage: np.ndarray, offset: np.ndarray, shape: np.ndarray, file: np.n
             src_units = (low[rows] - offset[rows, 0]) * piece_step[rows, 0]
             dst_units = (low[rows] - seg_low[rows]) * full_step[rows, 0]
             u = unit[rows]
-            out.append(Runs(file[rows], begin[rows] + src_units * u, base[rows] + dst_units * u,
-                            (high[rows] - low[rows]) * full_step[rows, 0] * u, holder[rows]))
+            out.append(
+                Runs(
+                    file[rows],
+                    begin[rows] + src_units * u,
+                    base[rows] + dst_units * u,
+                    (high[rows] - low[rows]) * full_step[rows, 0] * u,
+                    holder[rows],
+                )
+            )
             continue
         count = (high[rows] - low[rows]) * np.prod(shape[rows, 1:k], axis=1)
         pair = np.repeat(rows, count)
@@ -320,8 +372,15 @@ def _runs(storage: np.ndarray, offset: np.ndarray, shape: np.ndarray, file: np.n
         src_units += (row - offset[pair, 0]) * piece_step[pair, 0]
         dst_units += (row - seg_low[pair]) * full_step[pair, 0]
         u = unit[pair]
-        out.append(Runs(file[pair], begin[pair] + src_units * u, base[pair] + dst_units * u,
-                        shape[pair, k] * full_step[pair, k] * u, holder[pair]))
+        out.append(
+            Runs(
+                file[pair],
+                begin[pair] + src_units * u,
+                base[pair] + dst_units * u,
+                shape[pair, k] * full_step[pair, k] * u,
+                holder[pair],
+            )
+        )
     return Runs.concat(out)
 
 
@@ -502,5 +561,19 @@ def block_budget(buffer_size: int, slots: int) -> int:
     return max(MIN_BLOCK, buffer_size // (slots + 3))
 
 
-__all__ = ["Segment", "Block", "Direct", "Runs", "Assembler", "plan_item", "blocks", "direct_pieces", "runs_of",
-           "coalesce", "place", "segment_bytes", "segment_offset", "block_budget"]
+__all__ = [
+    "Segment",
+    "Block",
+    "Direct",
+    "Runs",
+    "Assembler",
+    "plan_item",
+    "blocks",
+    "direct_pieces",
+    "runs_of",
+    "coalesce",
+    "place",
+    "segment_bytes",
+    "segment_offset",
+    "block_budget",
+]

@@ -17,7 +17,7 @@ signal, keeps its part of the message pattern without doing I/O and raises at th
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -26,10 +26,10 @@ from .engine import Assembler, Block, Direct, Runs, block_budget, blocks, coales
 from .errors import Interrupted
 from .interrupts import pending_signal
 from .outputs import OutputBackend
-from .sources import SourceFiles
 from .parallel import Comm
 from .plan import Layout, Part
 from .scan import exchange
+from .sources import SourceFiles
 from .table import ShardFiles
 
 TAG = 29
@@ -109,7 +109,9 @@ class ExchangeWriter:
         my_blocks: list[Block] = []
         size, me = self.comm.size, self.comm.rank
         requests, destinations = [], []
-        for block, runs in (pair for whole in blocks(self.layout, segments, self.block_bytes) for pair in self.assembler.split(whole)):
+        for block, runs in (
+            pair for whole in blocks(self.layout, segments, self.block_bytes) for pair in self.assembler.split(whole)
+        ):
             index = len(my_blocks)
             my_blocks.append(block)
             _, remote = self._local_and_remote(runs)
@@ -125,8 +127,11 @@ class ExchangeWriter:
         delegated = np.zeros(len(handed), dtype=_DIRECT)
         for i, c in enumerate(handed):
             delegated[i] = (c.file, c.out, c.src, c.offset, c.length)
-        incoming = exchange(self.comm, np.concatenate(requests) if requests else np.zeros(0, _REQUEST),
-                            np.concatenate(destinations) if destinations else np.zeros(0, np.int32))
+        incoming = exchange(
+            self.comm,
+            np.concatenate(requests) if requests else np.zeros(0, _REQUEST),
+            np.concatenate(destinations) if destinations else np.zeros(0, np.int32),
+        )
         received_copies = exchange(self.comm, delegated, np.array([c.holder for c in handed], dtype=np.int32))
         for row in received_copies:
             own.append(Direct(int(row["file"]), int(row["src"]), int(row["out"]), int(row["offset"]), int(row["length"])))

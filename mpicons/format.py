@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from .errors import InputError
 
@@ -130,9 +130,7 @@ def parse_header(raw: bytes, file_size: int, path: str = "<bytes>") -> Header:
         raise _bad(path, "header is not a JSON object")
     metadata = obj.pop("__metadata__", None)
     metadata = {} if metadata is None else metadata
-    if not isinstance(metadata, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
-    ):
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise _bad(path, "__metadata__ is not a map of strings to strings")
     entries = []
     for name, info in obj.items():
@@ -195,7 +193,8 @@ def read_header(path: str | os.PathLike[str]) -> Header:
         (length,) = struct.unpack("<Q", prefix)
         if length > MAX_HEADER_SIZE:
             raise _bad(
-                label, f"header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes (not a safetensors file?)"
+                label,
+                f"header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes (not a safetensors file?)",
             )
         if 8 + length > size:
             raise _bad(

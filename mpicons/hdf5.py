@@ -47,7 +47,9 @@ def check_names(plan: Layout) -> None:
         path = dataset_path(name)
         parts = path[1:].split("/")
         if "\0" in name or any(p in ("", ".", "..") for p in parts):
-            raise InputError(f"tensor {name!r}: cannot be an HDF5 dataset (its path {path!r} has an empty, '.', '..' or NUL part)")
+            raise InputError(
+                f"tensor {name!r}: cannot be an HDF5 dataset (its path {path!r} has an empty, '.', '..' or NUL part)"
+            )
         try:
             name.encode("utf-8")
         except UnicodeEncodeError:
@@ -81,9 +83,13 @@ def create_layout(path: str, plan: Layout) -> list[int]:
                 create.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
                 create.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
                 try:
-                    dataset = handle.create_dataset(dataset_path(tensor.name), shape=shape, dtype=storage_dtype(tensor.dtype), dcpl=create)
+                    dataset = handle.create_dataset(
+                        dataset_path(tensor.name), shape=shape, dtype=storage_dtype(tensor.dtype), dcpl=create
+                    )
                 except (ValueError, TypeError) as exc:
-                    raise InputError(f"tensor {tensor.name!r}: cannot be an HDF5 dataset at {dataset_path(tensor.name)} ({exc})") from None
+                    raise InputError(
+                        f"tensor {tensor.name!r}: cannot be an HDF5 dataset at {dataset_path(tensor.name)} ({exc})"
+                    ) from None
                 dataset.attrs["dtype"] = tensor.dtype
                 dataset.attrs["name"] = tensor.name
                 offset = dataset.id.get_offset()

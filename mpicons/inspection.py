@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -21,10 +22,11 @@ from .comm import as_communicator
 from .consolidation import load_mapping
 from .errors import InputError
 from .options import Options
-from .parallel import Comm, agree, agree_on
+from .parallel import agree, agree_on
 from .plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, build_layout, natural_key
 from .scan import distribute, scan
-from .stats import count_of as _count, human_bytes
+from .stats import count_of as _count
+from .stats import human_bytes
 from .table import ShardFiles, missing_shards
 
 #: Width the table output is laid out for.
@@ -226,10 +228,20 @@ def inspect(
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
     scanned = scan(input_dir, comm)
     problems = Problems(strict=False)
-    layout = agree(comm, lambda: build_layout(
-        scanned.files, scanned.names, scanned.facts, comm.size, mapping=mapping, split=options.split,
-        dtype=options.dtype, max_shard_size=options.max_shard_size, problems=problems,
-    ))
+    layout = agree(
+        comm,
+        lambda: build_layout(
+            scanned.files,
+            scanned.names,
+            scanned.facts,
+            comm.size,
+            mapping=mapping,
+            split=options.split,
+            dtype=options.dtype,
+            max_shard_size=options.max_shard_size,
+            problems=problems,
+        ),
+    )
     file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
     comm.allreduce_array(file_pieces, "sum")
     part = distribute(comm, scanned, layout, problems)
@@ -237,9 +249,20 @@ def inspect(
     kept = np.bincount(part.pieces.tensor[primary], minlength=len(scanned.names)).astype(np.int64)
     comm.allreduce_array(kept, "sum")
     label = None if options.mapping is None or isinstance(options.mapping, Mapping) else os.fspath(options.mapping)
-    return describe(input_dir, scanned.files, scanned.facts, layout, problems, file_pieces, kept,
-                    ranks=ranks, job_ranks=comm.size, split=options.split, mapping_label=label,
-                    mapped=mapping is not None)
+    return describe(
+        input_dir,
+        scanned.files,
+        scanned.facts,
+        layout,
+        problems,
+        file_pieces,
+        kept,
+        ranks=ranks,
+        job_ranks=comm.size,
+        split=options.split,
+        mapping_label=label,
+        mapped=mapping is not None,
+    )
 
 
 def describe(
@@ -260,18 +283,33 @@ def describe(
     """The report from the scan's facts, the layout and the problems found; pure, the same on every rank."""
     planned = not problems
     shards = [
-        ShardInfo(name, None if files.train_rank[f] < 0 else int(files.train_rank[f]),
-                  None if files.out_index[f] < 0 else int(files.out_index[f]),
-                  None if files.out_count[f] < 0 else int(files.out_count[f]), int(file_pieces[f]), int(files.size[f]))
+        ShardInfo(
+            name,
+            None if files.train_rank[f] < 0 else int(files.train_rank[f]),
+            None if files.out_index[f] < 0 else int(files.out_index[f]),
+            None if files.out_count[f] < 0 else int(files.out_count[f]),
+            int(file_pieces[f]),
+            int(files.size[f]),
+        )
         for f, name in enumerate(files.names)
     ]
     tensors = [
-        TensorInfo(info.name, info.dtype, info.shape, int(facts.count[t]), layout.files[info.file].name, info.nbytes,
-                   int(kept[t]) if planned else None, problems.by_tensor.get(t))
+        TensorInfo(
+            info.name,
+            info.dtype,
+            info.shape,
+            int(facts.count[t]),
+            layout.files[info.file].name,
+            info.nbytes,
+            int(kept[t]) if planned else None,
+            problems.by_tensor.get(t),
+        )
         for t, info in enumerate(layout.tensors)
     ]
-    files_info = [FileInfo(out.name, len(out.tensors), sum(layout.tensors[t].nbytes for t in out.tensors), out.size if planned else None)
-                  for out in layout.files]
+    files_info = [
+        FileInfo(out.name, len(out.tensors), sum(layout.tensors[t].nbytes for t in out.tensors), out.size if planned else None)
+        for out in layout.files
+    ]
     per_rank: list[RankInfo] = []
     if planned:
         for rank, items in enumerate(SPLITS[split](layout, ranks)):
@@ -279,8 +317,10 @@ def describe(
             touched = sorted({layout.tensors[i.tensor].file for i in items})
             per_rank.append(RankInfo(rank, sum(w[3] for w in work), tuple(layout.files[f].name for f in touched), work))
     listed = [Problem(None, message) for message in problems.general]
-    listed += [Problem(layout.tensors[t].name, problems.by_tensor[t])
-               for t in sorted(problems.by_tensor, key=lambda t: natural_key(layout.tensors[t].name))]
+    listed += [
+        Problem(layout.tensors[t].name, problems.by_tensor[t])
+        for t in sorted(problems.by_tensor, key=lambda t: natural_key(layout.tensors[t].name))
+    ]
     tensors.sort(key=lambda info: natural_key(info.name))
     return InspectReport(
         input_dir=input_dir,
@@ -390,7 +430,9 @@ def _render(report: InspectReport, limit: int) -> list[str]:
     out.append("")
     title, shown = _section("output files", len(report.files), limit)
     out.append(title)
-    rows = [[str(i + 1), f.name, str(f.tensors), _size(f.tensor_bytes), _size(f.size)] for i, f in enumerate(report.files[:shown])]
+    rows = [
+        [str(i + 1), f.name, str(f.tensors), _size(f.tensor_bytes), _size(f.size)] for i, f in enumerate(report.files[:shown])
+    ]
     out += _grid(["#", "file", "tensors", "tensor bytes", "file size"], rows, {0, 2, 3, 4}, 1)
     out += _more(len(report.files), shown, "file")
 
@@ -403,8 +445,9 @@ def _render(report: InspectReport, limit: int) -> list[str]:
         for r in report.per_rank[:shown]:
             first = f"{r.work[0][0]}[{r.work[0][1]}:{r.work[0][2]}]" if r.work else "-"
             numbers = sorted(file_number[name] for name in r.files)
-            rows.append([str(r.rank), _size(r.bytes), f"{100 * r.bytes / total:.1f}%", str(len(r.work)),
-                         _ranges(numbers) or "-", first])
+            rows.append(
+                [str(r.rank), _size(r.bytes), f"{100 * r.bytes / total:.1f}%", str(len(r.work)), _ranges(numbers) or "-", first]
+            )
         out += _grid(["rank", "bytes", "share", "items", "files", "starts at (rows)"], rows, {0, 1, 2, 3}, 5)
         out += _more(len(report.per_rank), shown, "rank")
 
@@ -422,8 +465,13 @@ def _render(report: InspectReport, limit: int) -> list[str]:
     title, shown = _section("shard files", len(report.shards), limit)
     out.append(title)
     rows = [
-        [s.name, "-" if s.training_rank is None else str(s.training_rank), "-" if s.output_index is None else str(s.output_index),
-         str(s.pieces), _size(s.size)]
+        [
+            s.name,
+            "-" if s.training_rank is None else str(s.training_rank),
+            "-" if s.output_index is None else str(s.output_index),
+            str(s.pieces),
+            _size(s.size),
+        ]
         for s in report.shards[:shown]
     ]
     out += _grid(["shard file", "training rank", "output #", "pieces", "size"], rows, {1, 2, 3, 4}, 0)

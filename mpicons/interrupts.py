@@ -9,8 +9,8 @@ collectives, where raising would leave the other ranks waiting.
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from .errors import Interrupted
 

@@ -56,7 +56,9 @@ def check_buffer_size(buffer_size: int, ranks_on_node: int) -> None:
     """Refuse a ``--buffer-size`` the node cannot give every rank on it, before any work starts."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY and buffer_size >= soft:
-        raise InputError(f"--buffer-size {human_bytes(buffer_size)} is above this process's address-space limit ({human_bytes(soft)})")
+        raise InputError(
+            f"--buffer-size {human_bytes(buffer_size)} is above this process's address-space limit ({human_bytes(soft)})"
+        )
     available = available_memory()
     if available is not None and buffer_size * ranks_on_node > available:
         raise InputError(

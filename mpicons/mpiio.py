@@ -3,7 +3,7 @@ apply at creation), written with independent ``Write_at`` through per-rank handl
 
 from __future__ import annotations
 
-from typing import Callable, Mapping
+from collections.abc import Mapping
 
 import numpy as np
 from mpi4py import MPI
@@ -90,7 +90,9 @@ class MpiioOutput(_Output, CachedHandles):
             except MPI.Exception as exc:
                 raise WriteError(f"{self.paths[file]}: write failed at byte {offset + start} ({mpi_error_text(exc)})") from None
 
-    def copy(self, sources: SourceFiles, src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray) -> None:
+    def copy(
+        self, sources: SourceFiles, src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray
+    ) -> None:
         _bounce_copy(self, sources, src, src_offset, file, offset, length, bounce)
 
     def _sync_one(self, file: int, handle: MPI.File) -> None:
@@ -138,5 +140,3 @@ def mpi_error_text(exc: MPI.Exception) -> str:
             return text
     lines = [line.strip(" ,") for line in exc.Get_error_string().splitlines() if line.strip()]
     return lines[-1] if lines else f"MPI error class {error_class}"
-
-

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Mapping
+from typing import Any
 
 from .convert import TARGETS
 from .errors import InputError
@@ -13,7 +14,6 @@ DEFAULT_BUFFER_SIZE = 32 << 20
 SPLITS = ("bytes", "files")
 BACKENDS = ("posix", "mpiio")
 FORMATS = ("safetensors", "hdf5")
-
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ class Options:
             if self.io != "posix":
                 raise InputError("--gather-to writes on one rank's local disk: use --io posix")
 
-    def with_changes(self, **changes: Any) -> "Options":
+    def with_changes(self, **changes: Any) -> Options:
         """A copy with some fields changed; unknown names are an error (a misspelt keyword argument)."""
         known = {f.name for f in fields(self)}
         unknown = sorted(set(changes) - known)

@@ -30,8 +30,8 @@ import socket
 import stat
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
 
 from .errors import InputError, WriteError
 
@@ -45,8 +45,13 @@ INDEX_NAME = "model.safetensors.index.json"
 CHECKPOINT_FILE = re.compile(r"^(model-\d{5,}-of-\d{5,}\.safetensors|model\.safetensors|model\.safetensors\.index\.json)$")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
+
+def _no_hook(label: str) -> None:
+    pass
+
+
 #: Called with a label before every step of publishing; tests replace it to inject failures.
-step_hook: Callable[[str], None] = lambda label: None
+step_hook: Callable[[str], None] = _no_hook
 
 
 # ---------------------------------------------------------------- small file-system helpers
@@ -137,7 +142,7 @@ class Holder:
     token: str = ""
 
     @classmethod
-    def me(cls) -> "Holder":
+    def me(cls) -> Holder:
         pid = os.getpid()
         return cls(
             host=socket.gethostname(),
@@ -173,7 +178,7 @@ class Holder:
         return (json.dumps(asdict(self), indent=1) + "\n").encode()
 
     @classmethod
-    def parse(cls, raw: bytes) -> "Holder | None":
+    def parse(cls, raw: bytes) -> Holder | None:
         try:
             obj = json.loads(raw)
             return cls(**{k: obj[k] for k in cls.__dataclass_fields__ if k in obj})
@@ -190,7 +195,7 @@ class OutputLock:
         self.path = os.path.join(directory, LOCK_NAME)
 
     @classmethod
-    def acquire(cls, directory: str, break_lock: bool = False) -> "tuple[OutputLock, list[str]]":
+    def acquire(cls, directory: str, break_lock: bool = False) -> tuple[OutputLock, list[str]]:
         """Take the lock; returns it and notes about any lock broken on the way.
 
         Raises InputError naming the holder when another run holds the directory.
@@ -348,7 +353,7 @@ class Transaction:
         shutil.rmtree(self.staging)
 
     @classmethod
-    def from_journal(cls, directory: str, staging: str) -> "Transaction | None":
+    def from_journal(cls, directory: str, staging: str) -> Transaction | None:
         raw = _read_small(os.path.join(staging, JOURNAL_NAME), 1 << 30)
         if raw is None:
             return None
@@ -408,7 +413,7 @@ class OutputDir:
     published: bool = False
 
     @classmethod
-    def open(cls, path: str, break_lock: bool = False) -> "OutputDir":
+    def open(cls, path: str, break_lock: bool = False) -> OutputDir:
         """Create ``path`` if needed, take its lock and recover what crashed runs left there."""
         created = _make_directories(path)
         try:

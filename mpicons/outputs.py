@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import errno
 import os
-from typing import Callable, Mapping, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -35,7 +36,9 @@ class OutputBackend(Protocol):
     def create(self) -> None: ...
     def open(self, file: int) -> None: ...
     def write(self, file: int, offset: int, data: memoryview) -> None: ...
-    def copy(self, sources: "SourceFiles", src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray) -> None: ...
+    def copy(
+        self, sources: SourceFiles, src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray
+    ) -> None: ...
     def sync(self) -> None: ...
     def close(self) -> None: ...
     def hints_in_effect(self) -> dict[str, str]: ...
@@ -137,12 +140,16 @@ class PosixOutput(_Output, CachedHandles):
             except OSError:
                 pass
 
-    def copy(self, sources: SourceFiles, src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray) -> None:
+    def copy(
+        self, sources: SourceFiles, src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray
+    ) -> None:
         """Copy shard bytes straight into the output: in the kernel when it can, else through ``bounce``."""
         self._copy(sources, src, src_offset, file, offset, length, bounce)
         self._start_writeback(file, offset, length)
 
-    def _copy(self, sources: SourceFiles, src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray) -> None:
+    def _copy(
+        self, sources: SourceFiles, src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray
+    ) -> None:
         if self._copy_range:
             src_fd, dst_fd = sources.fd(src), self._fd(file)
             done = 0

@@ -9,7 +9,8 @@ first failure, naming the rank it happened on.
 from __future__ import annotations
 
 import traceback
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from .comm import Communicator, sleeping_wait
 from .errors import InputError, MpiconsError, WriteError

@@ -18,8 +18,8 @@ import functools
 import itertools
 import math
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -214,7 +214,9 @@ def local_facts(
     if len(pieces):
         np.maximum.at(extent, t, pieces.offset + pieces.shape)
     nonempty = ~(pieces.shape == 0).any(axis=1)
-    volume = np.bincount(t, weights=np.where(nonempty, np.prod(pieces.shape.astype(np.float64), axis=1), 0.0), minlength=num_tensors)
+    volume = np.bincount(
+        t, weights=np.where(nonempty, np.prod(pieces.shape.astype(np.float64), axis=1), 0.0), minlength=num_tensors
+    )
     firsts = []
     for values in (pieces.dtype, pieces.ndim, destinations[pieces.file]):
         first = np.full(num_tensors, np.iinfo(np.int64).max, dtype=np.int64)
@@ -235,8 +237,11 @@ def local_odd(pieces: Pieces, facts: TensorFacts, destinations: np.ndarray) -> l
     """The second round: per tensor, the lowest (file, value) key whose value differs from the first's."""
     t = pieces.tensor
     result = []
-    for values, first in ((pieces.dtype, facts.dtype_first), (pieces.ndim, facts.ndim_first),
-                          (destinations[pieces.file], facts.dest_first)):
+    for values, first in (
+        (pieces.dtype, facts.dtype_first),
+        (pieces.ndim, facts.ndim_first),
+        (destinations[pieces.file], facts.dest_first),
+    ):
         odd = np.full(facts.num_tensors, np.iinfo(np.int64).max, dtype=np.int64)
         differs = values.astype(np.int64) != first[t] % _KEY
         np.minimum.at(odd, t[differs], _keys(pieces, values)[differs])
@@ -378,7 +383,8 @@ def _agreement(files: ShardFiles, names: list[str], facts: TensorFacts, problems
             broken.add(int(t))
             (f1, v1), (f2, v2) = divmod(int(first[t]), _KEY), divmod(int(odd[t]), _KEY)
             problems.add(
-                f"tensor {names[t]!r}: pieces disagree on {what}: {show(v1)} in {files.names[f1]} but {show(v2)} in {files.names[f2]}",
+                f"tensor {names[t]!r}: pieces disagree on {what}: "
+                f"{show(v1)} in {files.names[f1]} but {show(v2)} in {files.names[f2]}",
                 int(t),
             )
     return broken
@@ -406,7 +412,8 @@ def tensor_table(files: ShardFiles, names: list[str], facts: TensorFacts, proble
         elif math.prod(float(x) for x in storage) >= 2.0**62:
             problems.add(
                 f"tensor {name!r} (shape {list(tensors[t].shape)}): hole: pieces cover {int(facts.volume[t])} "
-                f"of {math.prod(tensors[t].shape)} elements", t,
+                f"of {math.prod(tensors[t].shape)} elements",
+                t,
             )
     return tensors
 
@@ -442,7 +449,8 @@ def _assign_files(
             f2, d2 = divmod(int(facts.dest_odd[t]), _KEY)
             problems.add(
                 f"tensor {name!r} has pieces destined for {name_of(f1, d1)} ({files.names[f1]}) and "
-                f"{name_of(f2, d2)} ({files.names[f2]})", t,
+                f"{name_of(f2, d2)} ({files.names[f2]})",
+                t,
             )
     return result
 
@@ -600,10 +608,13 @@ class RowOwners:
     rank: np.ndarray  # int32[I]
 
     @classmethod
-    def of(cls, layout: Layout) -> "RowOwners":
+    def of(cls, layout: Layout) -> RowOwners:
         base = np.concatenate(([0], np.cumsum(layout.arrays.rows)))
-        items = [(base[i.tensor] + i.row_begin, base[i.tensor] + i.row_end, rank)
-                 for rank, work in enumerate(layout.work) for i in work]
+        items = [
+            (base[i.tensor] + i.row_begin, base[i.tensor] + i.row_end, rank)
+            for rank, work in enumerate(layout.work)
+            for i in work
+        ]
         items.sort()
         arr = np.array(items, dtype=np.int64).reshape(-1, 3)
         return cls(base, arr[:, 0], arr[:, 1], arr[:, 2].astype(np.int32))
@@ -713,8 +724,14 @@ def build_part(
     problems = Problems(strict=True) if problems is None else problems
     items = layout.work[rank] if rank < len(layout.work) else []
     width = received.width
-    order = np.lexsort((received.file, *[received.shape[:, d] for d in reversed(range(width))],
-                        *[received.offset[:, d] for d in reversed(range(width))], received.tensor))
+    order = np.lexsort(
+        (
+            received.file,
+            *[received.shape[:, d] for d in reversed(range(width))],
+            *[received.offset[:, d] for d in reversed(range(width))],
+            received.tensor,
+        )
+    )
     # Identical boxes are adjacent in this order, the lowest file first: that copy is kept.
     first_copy = _first_identical(order, [received.tensor, *received.offset.T, *received.shape.T])
     repeat = first_copy != np.arange(len(order))
@@ -743,8 +760,12 @@ def _repeats(
         f = int(files[i])
         if f not in examples:
             p, q = int(order[i]), int(order[first_copy[i]])
-            examples[f] = (int(received.tensor[p]), tuple(int(x) for x in received.offset[p]),
-                           tuple(int(x) for x in received.shape[p]), int(received.file[q]))
+            examples[f] = (
+                int(received.tensor[p]),
+                tuple(int(x) for x in received.offset[p]),
+                tuple(int(x) for x in received.shape[p]),
+                int(received.file[q]),
+            )
     rows = np.unique(np.concatenate([np.flatnonzero(repeat), first_copy[repeat]]))
     return held, repeated, examples, _replicas(received.take(order[rows]), first_copy[rows], layout)
 
@@ -752,13 +773,24 @@ def _repeats(
 def _replicas(copies: Pieces, group: np.ndarray, layout: Layout) -> Replicas:
     nbytes = np.prod(copies.shape, axis=1) * layout.arrays.source_unit[copies.tensor]
     return Replicas(
-        group=group.astype(np.int64), file=copies.file, begin=copies.begin, nbytes=nbytes,
-        tensor=copies.tensor, holder=copies.holder, offset=copies.offset, shape=copies.shape,
+        group=group.astype(np.int64),
+        file=copies.file,
+        begin=copies.begin,
+        nbytes=nbytes,
+        tensor=copies.tensor,
+        holder=copies.holder,
+        offset=copies.offset,
+        shape=copies.shape,
     )
 
 
-def copied_file_problem(layout: Layout, names: list[str], held: np.ndarray, repeated: np.ndarray,
-                        examples: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]]) -> str | None:
+def copied_file_problem(
+    layout: Layout,
+    names: list[str],
+    held: np.ndarray,
+    repeated: np.ndarray,
+    examples: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]],
+) -> str | None:
     """A shard file whose every non-empty piece repeats a piece of another file is a copy, not a rank's share.
 
     torch writes replicated tensors once, so a file of nothing but repeats was saved twice (e.g. under
@@ -791,7 +823,9 @@ def check_coverage(layout: Layout, part: Part, problems: Problems) -> None:
     counts = part.start[item_tensor + 1] - part.start[item_tensor]
     full_width = np.all((pieces.shape[:, 1:] == storage[pieces.tensor, 1:]) & (pieces.offset[:, 1:] == 0), axis=1)
     item_of_piece = np.repeat(np.arange(len(part.items)), counts)
-    index = np.repeat(part.start[item_tensor], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    index = (
+        np.repeat(part.start[item_tensor], counts) + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    )
     low = np.maximum(pieces.offset[index, 0], item_low[item_of_piece])
     high = np.minimum(pieces.offset[index, 0] + pieces.shape[index, 0], item_high[item_of_piece])
     crosses = high > low
@@ -808,7 +842,7 @@ def check_coverage(layout: Layout, part: Part, problems: Problems) -> None:
         gap |= last_of_item & (high != item_high[item_of_piece])
         np.logical_and.at(ok, item_of_piece, ~gap)
     ok &= np.bincount(item_of_piece, minlength=len(part.items)) > 0
-    ok |= (np.prod(storage[item_tensor], axis=1) == 0)
+    ok |= np.prod(storage[item_tensor], axis=1) == 0
     for i in np.flatnonzero(~ok):
         item = part.items[i]
         _check_item(layout, part, item, problems)
@@ -834,9 +868,13 @@ def _check_item(layout: Layout, part: Part, item: WorkItem, problems: Problems) 
     if expected == 0:
         return
     if len(offset) == 0:
-        problems.add(f"{where}: no piece holds any data" if whole else
-                     f"{where}: hole: no piece covers region {_element_region(tensor, low_box, high_box)} ({expected} elements missing {scope})",
-                     item.tensor)
+        problems.add(
+            f"{where}: no piece holds any data"
+            if whole
+            else f"{where}: hole: no piece covers region {_element_region(tensor, low_box, high_box)} "
+            f"({expected} elements missing {scope})",
+            item.tensor,
+        )
         return
     cuts = [np.unique(np.concatenate(([low_box[d], high_box[d]], offset[:, d], end[:, d]))) for d in range(rank)]
     grid = [len(c) - 1 for c in cuts]
@@ -872,8 +910,19 @@ def _check_item(layout: Layout, part: Part, item: WorkItem, problems: Problems) 
     problems.add(f"{where}: overlap: region {region} is covered by {int(holding.sum())} pieces: {holders}", item.tensor)
 
 
-def _check_pairwise(layout: Layout, tensor: Tensor, where: str, offset: np.ndarray, end: np.ndarray, files: np.ndarray,
-                    covered: int, expected: int, scope: str, problems: Problems, t: int) -> None:
+def _check_pairwise(
+    layout: Layout,
+    tensor: Tensor,
+    where: str,
+    offset: np.ndarray,
+    end: np.ndarray,
+    files: np.ndarray,
+    covered: int,
+    expected: int,
+    scope: str,
+    problems: Problems,
+    t: int,
+) -> None:
     """Overlap check for irregular tilings too fine for a grid: blockwise pairwise box tests."""
     block = 512
     for i0 in range(0, len(offset), block):
@@ -884,7 +933,8 @@ def _check_pairwise(layout: Layout, tensor: Tensor, where: str, offset: np.ndarr
             i, j = i0 + pairs[0][0], pairs[0][1]
             problems.add(
                 f"{where}: overlap: piece {_element_region(tensor, offset[i], end[i])} in {layout.source_files[files[i]]} "
-                f"overlaps piece {_element_region(tensor, offset[j], end[j])} in {layout.source_files[files[j]]}", t,
+                f"overlaps piece {_element_region(tensor, offset[j], end[j])} in {layout.source_files[files[j]]}",
+                t,
             )
             return
     if covered != expected:
@@ -923,13 +973,17 @@ def build_plan(
     max_shard_size: int | None = None,
 ) -> Plan:
     """The whole plan in one process, from every piece; raises the first problem (InputError)."""
-    layout = build_layout(table.files, table.names, facts_of(table), ranks, mapping=mapping, split=split, dtype=dtype,
-                          max_shard_size=max_shard_size)
+    layout = build_layout(
+        table.files, table.names, facts_of(table), ranks, mapping=mapping, split=split, dtype=dtype, max_shard_size=max_shard_size
+    )
     owners = RowOwners.of(layout)
     index, rank_of = owners.route(table.pieces)
     parts = [build_part(layout, r, table.pieces.take(index[rank_of == r]), owners) for r in range(ranks)]
     problem = copied_file_problem(
-        layout, table.names, sum(p.held for p in parts), sum(p.repeated for p in parts),  # type: ignore[misc]
+        layout,
+        table.names,
+        sum(p.held for p in parts),
+        sum(p.repeated for p in parts),  # type: ignore[misc]
         {f: e for p in reversed(parts) for f, e in p.examples.items()},
     )
     if problem:

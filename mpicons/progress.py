@@ -180,8 +180,12 @@ class Progress:
         if final:
             parts = [amount, speed, f"{_duration(elapsed)} elapsed"]
         else:
-            parts = [amount, speed, f"ETA {_duration(eta) if eta != float('inf') else '?'}",
-                     f"{int((~self.finished).sum())}/{self.comm.size} ranks writing"]
+            parts = [
+                amount,
+                speed,
+                f"ETA {_duration(eta) if eta != float('inf') else '?'}",
+                f"{int((~self.finished).sum())}/{self.comm.size} ranks writing",
+            ]
             if self.verbose:
                 slowest = int(np.argmin(self.counts))
                 parts.append(f"slowest rank {slowest} at {human_bytes(self.counts[slowest])}")

@@ -15,10 +15,10 @@ import hashlib
 import numpy as np
 
 from .errors import InputError
-from .sources import SourceFiles
 from .parallel import Comm, agree
 from .plan import Layout, Part, Replicas, _element_region
 from .scan import Scanned, exchange
+from .sources import SourceFiles
 
 _REQUEST = np.dtype([("row", "<i8"), ("owner", "<i4"), ("file", "<i4"), ("begin", "<i8"), ("nbytes", "<i8")])
 _REPLY = np.dtype([("row", "<i8"), ("digest", "u1", (32,))])
@@ -28,7 +28,9 @@ def hash_ranges(sources: SourceFiles, requests: np.ndarray, buffer: np.ndarray) 
     """SHA-256 of each requested byte range, read in blocks of ``len(buffer)``."""
     replies = np.empty(len(requests), dtype=_REPLY)
     view = memoryview(buffer)
-    for i, (file, begin, nbytes) in enumerate(zip(requests["file"].tolist(), requests["begin"].tolist(), requests["nbytes"].tolist())):
+    for i, (file, begin, nbytes) in enumerate(
+        zip(requests["file"].tolist(), requests["begin"].tolist(), requests["nbytes"].tolist())
+    ):
         digest = hashlib.sha256()
         for done in range(0, nbytes, len(view)):
             chunk = view[: min(len(view), nbytes - done)]

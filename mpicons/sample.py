@@ -12,14 +12,14 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
 import numpy as np
 
-from .format import DTYPE_BY_NAME, DTYPE_ORDER, build_header
 from .comm import as_communicator
+from .format import DTYPE_BY_NAME, DTYPE_ORDER, build_header
 from .parallel import agree
 from .plan import output_name
 
@@ -50,16 +50,32 @@ class SampleConfig:
         return self.dp * self.tp
 
     @classmethod
-    def moe(cls, target_bytes: int, training_ranks: int = 64, layers: int = 24, hidden: int = 128, **kwargs: object) -> "SampleConfig":
+    def moe(
+        cls, target_bytes: int, training_ranks: int = 64, layers: int = 24, hidden: int = 128, **kwargs: object
+    ) -> SampleConfig:
         """A mixture-of-experts shape of about ``target_bytes``: ``layers`` × (attention, norms, router,
         ``experts`` × gate/up/down of hidden × hidden, fp16), every tensor cut by rows over ``training_ranks``."""
         per_expert = 3 * hidden * hidden * 2
         experts = max(1, round((target_bytes / layers - 4 * hidden * hidden * 2) / per_expert))
-        return cls(**{"layers": layers, "hidden": hidden, "intermediate": hidden, "kv_dim": hidden, "experts": experts,
-                      "dp": training_ranks, "tp": 1, "files": 1, "dtype": "F16", "vocab": hidden, "kind": "moe", **kwargs})  # type: ignore[arg-type]
+        return cls(
+            **{
+                "layers": layers,
+                "hidden": hidden,
+                "intermediate": hidden,
+                "kv_dim": hidden,
+                "experts": experts,
+                "dp": training_ranks,
+                "tp": 1,
+                "files": 1,
+                "dtype": "F16",
+                "vocab": hidden,
+                "kind": "moe",
+                **kwargs,
+            }
+        )  # type: ignore[arg-type]
 
     @classmethod
-    def sized(cls, target_bytes: int, **kwargs: object) -> "SampleConfig":
+    def sized(cls, target_bytes: int, **kwargs: object) -> SampleConfig:
         """A config whose checkpoint is roughly ``target_bytes`` (hidden size grown to fit)."""
         base = cls(**kwargs)  # type: ignore[arg-type]
         per_layer_unit = 4 * base.hidden * base.hidden + 3 * base.hidden * base.intermediate
@@ -135,13 +151,17 @@ def _moe_specs(c: SampleConfig) -> list[tuple[str, str, tuple[int, ...], str, in
         index = 1 + layer * c.files // c.layers
         p = f"model.layers.{layer}."
         specs += [(p + f"self_attn.{m}_proj.weight", c.dtype, (c.hidden, c.hidden), "all_rows", index) for m in "qkvo"]
-        specs += [(p + n, "F32", (c.hidden,), "all_rows", index) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")]
+        specs += [
+            (p + n, "F32", (c.hidden,), "all_rows", index) for n in ("input_layernorm.weight", "post_attention_layernorm.weight")
+        ]
         specs.append((p + "mlp.gate.weight", c.dtype, (c.experts, c.hidden), "all_rows", index))
         for e in range(c.experts):
             q = f"{p}mlp.experts.{e}."
-            specs += [(q + "gate_proj.weight", c.dtype, (c.intermediate, c.hidden), "all_rows", index),
-                      (q + "up_proj.weight", c.dtype, (c.intermediate, c.hidden), "all_rows", index),
-                      (q + "down_proj.weight", c.dtype, (c.hidden, c.intermediate), "all_rows", index)]
+            specs += [
+                (q + "gate_proj.weight", c.dtype, (c.intermediate, c.hidden), "all_rows", index),
+                (q + "up_proj.weight", c.dtype, (c.intermediate, c.hidden), "all_rows", index),
+                (q + "down_proj.weight", c.dtype, (c.hidden, c.intermediate), "all_rows", index),
+            ]
     return specs
 
 
@@ -267,8 +287,8 @@ def expected_mapping(c: SampleConfig) -> dict[str, str]:
 def check_sample(output_dir: str | os.PathLike[str], config: SampleConfig, comm: object | None = None) -> int:
     """Compare every tensor of a consolidated sample with its generated full value (split over ``comm``);
     returns how many tensors were compared, or raises InputError naming the first that differs."""
-    from .format import read_header
     from .errors import InputError
+    from .format import read_header
 
     specs = tensor_specs(config)
     directory = os.fspath(output_dir)

@@ -14,8 +14,8 @@ import gc
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -23,8 +23,17 @@ from .errors import InputError
 from .machine import host_name
 from .parallel import Comm, agree
 from .plan import (
-    Layout, Part, Problems, RowOwners, TensorFacts, build_part, copied_file_problem, local_facts, local_odd,
-    piece_destinations, set_odd,
+    Layout,
+    Part,
+    Problems,
+    RowOwners,
+    TensorFacts,
+    build_part,
+    copied_file_problem,
+    local_facts,
+    local_odd,
+    piece_destinations,
+    set_odd,
 )
 from .table import Pieces, ShardFiles, list_shards, missing_shards, read_headers, relabel, shard_files, to_storage_units
 
@@ -152,8 +161,9 @@ def release_memory() -> None:
         pass  # not glibc
 
 
-def reduce_facts(comm: Comm, pieces: Pieces, num_tensors: int, width: int, destinations: np.ndarray,
-                 misaligned: np.ndarray | None = None) -> TensorFacts:
+def reduce_facts(
+    comm: Comm, pieces: Pieces, num_tensors: int, width: int, destinations: np.ndarray, misaligned: np.ndarray | None = None
+) -> TensorFacts:
     """The facts of every rank's pieces, combined (two rounds: the second finds disagreeing pieces)."""
     facts = local_facts(pieces, num_tensors, width, destinations, misaligned)
     for names, op in ((TensorFacts.SUM, "sum"), (TensorFacts.MAX, "max"), (TensorFacts.MIN, "min")):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import Callable, Generic, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 from .errors import WriteError
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import resource
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Iterator
 
 import numpy as np
 

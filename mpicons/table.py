@@ -13,8 +13,8 @@ import json
 import os
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
-from typing import Sequence
 
 import numpy as np
 
@@ -83,10 +83,10 @@ class Pieces:
     def width(self) -> int:
         return int(self.shape.shape[1])
 
-    def take(self, index: np.ndarray | slice) -> "Pieces":
+    def take(self, index: np.ndarray | slice) -> Pieces:
         return Pieces(*(getattr(self, f.name)[index] for f in fields(self)))
 
-    def widened(self, width: int) -> "Pieces":
+    def widened(self, width: int) -> Pieces:
         """The same pieces padded to ``width`` dimensions."""
         if width == self.width:
             return self
@@ -97,14 +97,20 @@ class Pieces:
         return Pieces(self.tensor, self.file, self.dtype, self.ndim, shape, offset, self.begin, self.holder)
 
     @classmethod
-    def empty(cls, width: int = 1) -> "Pieces":
+    def empty(cls, width: int = 1) -> Pieces:
         return cls(
-            np.zeros(0, np.int32), np.zeros(0, np.int32), np.zeros(0, np.int8), np.zeros(0, np.int8),
-            np.zeros((0, width), np.int64), np.zeros((0, width), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32),
+            np.zeros(0, np.int32),
+            np.zeros(0, np.int32),
+            np.zeros(0, np.int8),
+            np.zeros(0, np.int8),
+            np.zeros((0, width), np.int64),
+            np.zeros((0, width), np.int64),
+            np.zeros(0, np.int64),
+            np.zeros(0, np.int32),
         )
 
     @classmethod
-    def concat(cls, parts: Sequence["Pieces"], width: int | None = None) -> "Pieces":
+    def concat(cls, parts: Sequence[Pieces], width: int | None = None) -> Pieces:
         width = max([width or 1] + [p.width for p in parts])
         parts = [p.widened(width) for p in parts if len(p)] or [cls.empty(width)]
         return cls(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)))
@@ -113,8 +119,18 @@ class Pieces:
 
     @staticmethod
     def record_dtype(width: int) -> np.dtype:
-        return np.dtype([("tensor", "<i4"), ("file", "<i4"), ("holder", "<i4"), ("dtype", "i1"), ("ndim", "i1"),
-                         ("begin", "<i8"), ("shape", "<i8", (width,)), ("offset", "<i8", (width,))])
+        return np.dtype(
+            [
+                ("tensor", "<i4"),
+                ("file", "<i4"),
+                ("holder", "<i4"),
+                ("dtype", "i1"),
+                ("ndim", "i1"),
+                ("begin", "<i8"),
+                ("shape", "<i8", (width,)),
+                ("offset", "<i8", (width,)),
+            ]
+        )
 
     def to_records(self, index: np.ndarray | None = None) -> np.ndarray:
         """The pieces (or those at ``index``) as one record array, built in place (no intermediate copy)."""
@@ -126,13 +142,18 @@ class Pieces:
         return records
 
     @classmethod
-    def from_records(cls, records: np.ndarray) -> "Pieces":
+    def from_records(cls, records: np.ndarray) -> Pieces:
         """Column views of a record array (no copy; the records stay alive as long as the columns)."""
         width = records.dtype["shape"].shape[0]
         return cls(
-            records["tensor"], records["file"], records["dtype"], records["ndim"],
-            records["shape"].reshape(len(records), width), records["offset"].reshape(len(records), width),
-            records["begin"], records["holder"],
+            records["tensor"],
+            records["file"],
+            records["dtype"],
+            records["ndim"],
+            records["shape"].reshape(len(records), width),
+            records["offset"].reshape(len(records), width),
+            records["begin"],
+            records["holder"],
         )
 
 
@@ -164,11 +185,13 @@ def _read_raw(path: str) -> tuple[bytes, int]:
             (length,) = struct.unpack("<Q", prefix)
             if length > MAX_HEADER_SIZE:
                 raise InputError(
-                    f"{path}: header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes (not a safetensors file?)"
+                    f"{path}: header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes "
+                    "(not a safetensors file?)"
                 )
             if 8 + length > size:
                 raise InputError(
-                    f"{path}: header length {length} runs past the end of the {size}-byte file (truncated, or not a safetensors file?)"
+                    f"{path}: header length {length} runs past the end of the {size}-byte file "
+                    "(truncated, or not a safetensors file?)"
                 )
             raw = handle.read(length)
     except OSError as exc:
@@ -282,7 +305,9 @@ def _strict(path: str, raw: bytes, size: int, dcp_name: bool) -> _Parsed:
                 f"{path}: tensor {entry.name!r} has {len(entry.shape)} dimensions but saved_offsets {saved} has {len(saved)}"
             )
         if any(o + d >= MAX_DIM for o, d in zip(saved, entry.shape)):
-            raise InputError(f"{path}: tensor {entry.name!r}: saved_offsets {saved} with shape {list(entry.shape)} reach past 2**63 elements")
+            raise InputError(
+                f"{path}: tensor {entry.name!r}: saved_offsets {saved} with shape {list(entry.shape)} reach past 2**63 elements"
+            )
         offsets.append(saved)
     if info is not None:
         extra = set(info) - {entry.name for entry in header.tensors}
@@ -355,22 +380,27 @@ def read_headers(directory: str, names: Sequence[str], file_ids: Sequence[int], 
         new = [n for n in parsed.names if n not in ids]
         ids.update(zip(new, range(len(ids), len(ids) + len(new))))
         lookup = np.fromiter(map(ids.__getitem__, parsed.names), dtype=np.int32, count=len(parsed.names))
-        parts.append(Pieces(
-            tensor=lookup,
-            file=np.full(len(lookup), file_id, dtype=np.int32),
-            dtype=parsed.dtype,
-            ndim=parsed.ndim,
-            shape=parsed.shape,
-            offset=parsed.offset,
-            begin=parsed.begin,
-            holder=np.full(len(lookup), holder, dtype=np.int32),
-        ))
+        parts.append(
+            Pieces(
+                tensor=lookup,
+                file=np.full(len(lookup), file_id, dtype=np.int32),
+                dtype=parsed.dtype,
+                ndim=parsed.ndim,
+                shape=parsed.shape,
+                offset=parsed.offset,
+                begin=parsed.begin,
+                holder=np.full(len(lookup), holder, dtype=np.int32),
+            )
+        )
         starts.append(parsed.data_start)
         dcp.append(parsed.is_dcp)
     tensor_names = list(ids)
     return LocalTable(
-        np.asarray(file_ids, dtype=np.int32), np.array(starts, dtype=np.int64), np.array(dcp, dtype=bool),
-        tensor_names, Pieces.concat(parts),
+        np.asarray(file_ids, dtype=np.int32),
+        np.array(starts, dtype=np.int64),
+        np.array(dcp, dtype=bool),
+        tensor_names,
+        Pieces.concat(parts),
     )
 
 
@@ -470,8 +500,16 @@ def relabel(local: LocalTable, names: list[str]) -> Pieces:
     position = {name: i for i, name in enumerate(names)}
     lookup = np.array([position[n] for n in local.names], dtype=np.int32)
     pieces = local.pieces
-    return Pieces(lookup[pieces.tensor] if len(pieces) else pieces.tensor, pieces.file, pieces.dtype, pieces.ndim,
-                  pieces.shape, pieces.offset, pieces.begin, pieces.holder)
+    return Pieces(
+        lookup[pieces.tensor] if len(pieces) else pieces.tensor,
+        pieces.file,
+        pieces.dtype,
+        pieces.ndim,
+        pieces.shape,
+        pieces.offset,
+        pieces.begin,
+        pieces.holder,
+    )
 
 
 def read_table(directory: str, names: Sequence[str] | None = None) -> Table:

@@ -18,18 +18,19 @@ import numpy as np
 
 from .comm import as_communicator
 from .consolidation import DEFAULT_BUFFER_SIZE, check_buffer_fits
+from .convert import TARGETS
+from .engine import Assembler, Block, Segment, block_budget, blocks, segment_bytes, segment_offset
 from .errors import InputError, MpiconsError
+from .exchange import ExchangeWriter
 from .format import DTYPE_BY_NAME, Header, read_header
-from .sources import SourceFiles
 from .outdir import LOCK_NAME, STAGING_PREFIX, Holder
 from .parallel import Comm, agree
-from .convert import TARGETS, convert, numpy_dtype
 from .plan import INDEX_NAME, OUTPUT_METADATA, Layout, Part, build_layout
-from .stats import count_of as _count, human_bytes
 from .scan import Scanned, distribute, scan
+from .sources import SourceFiles
+from .stats import count_of as _count
+from .stats import human_bytes
 from .table import DCP_SHARD_NAME
-from .engine import Assembler, Block, Segment, block_budget, blocks, segment_bytes, segment_offset
-from .exchange import ExchangeWriter
 
 #: Smallest comparison buffer half: must hold one storage unit (≤ 8 bytes); tiny values are for tests.
 MIN_HALF_BUFFER = 64
@@ -276,11 +277,17 @@ def _cross_check(output_dir: str, listing: _Listing, results: list[_FileResult])
     for result in sorted(results, key=lambda r: (r.name not in listed, r.name)):
         for tensor, dtype, shape, begin, end in result.tensors or ():
             if tensor in located:
-                problems.append(Problem(join(result.name), tensor, f"also in {located[tensor].file}; a tensor must be in one file"))
+                problems.append(
+                    Problem(join(result.name), tensor, f"also in {located[tensor].file}; a tensor must be in one file")
+                )
                 continue
             located[tensor] = _Located(result.name, dtype, shape, result.data_start + begin, end - begin)
     problems += [
-        Problem(join(n), None, "left by an interrupted consolidation; the next 'mpicons consolidate' into this directory finishes or undoes it")
+        Problem(
+            join(n),
+            None,
+            "left by an interrupted consolidation; the next 'mpicons consolidate' into this directory finishes or undoes it",
+        )
         for n in listing.leftovers
     ]
     weight_map = listing.weight_map
@@ -309,7 +316,11 @@ def _cross_check(output_dir: str, listing: _Listing, results: list[_FileResult])
         actual = sum(w.nbytes for w in located.values() if w.file in listed)
         if actual != listing.total_size:
             problems.append(
-                Problem(index_path, None, f"metadata.total_size is {listing.total_size} but the files hold {actual} bytes of tensor data")
+                Problem(
+                    index_path,
+                    None,
+                    f"metadata.total_size is {listing.total_size} but the files hold {actual} bytes of tensor data",
+                )
             )
     return located, problems
 
@@ -332,7 +343,7 @@ class _Diff:
         if self.first is None or first < self.first:
             self.first, self.got, self.want = first, got, want
 
-    def merge(self, other: "_Diff") -> None:
+    def merge(self, other: _Diff) -> None:
         if other.count:
             self.add(other.count, other.first, other.got, other.want)  # type: ignore[arg-type]
         self.error = self.error or other.error
@@ -392,8 +403,12 @@ class _Checker:
         linear = (segment_offset(self.layout, segment) - tensor.offset) // unit + first
         index = tuple(int(i) for i in np.unravel_index(linear, tensor.storage))
         diff = self.diffs.setdefault(segment.tensor, _Diff())
-        diff.add(int(np.count_nonzero(bad)), index, got[first * unit : (first + 1) * unit].tobytes(),
-                 want[first * unit : (first + 1) * unit].tobytes())
+        diff.add(
+            int(np.count_nonzero(bad)),
+            index,
+            got[first * unit : (first + 1) * unit].tobytes(),
+            want[first * unit : (first + 1) * unit].tobytes(),
+        )
 
     def fail(self, block: Block, error: BaseException) -> None:
         for segment in block.segments:
@@ -432,8 +447,9 @@ def _compare_share(
         else:
             channel = comm.duplicate()
             try:
-                ExchangeWriter(layout, part, scanned.files, sources, None, buffer_size, channel, sink=checker,
-                               copies=False, delegate=False).run()
+                ExchangeWriter(
+                    layout, part, scanned.files, sources, None, buffer_size, channel, sink=checker, copies=False, delegate=False
+                ).run()
             finally:
                 channel.free()
     finally:
@@ -466,10 +482,16 @@ def _against_checks(
         where = located.get(info.name)
         if where is None:
             if weight_map.get(info.name) not in unreadable:  # else its file's problem says it all
-                problems.append(Problem(output_dir, info.name, f"in the shards ({info.dtype}{list(info.shape)}) but in no output file"))
+                problems.append(
+                    Problem(output_dir, info.name, f"in the shards ({info.dtype}{list(info.shape)}) but in no output file")
+                )
         elif (where.dtype, where.shape) != (info.dtype, info.shape):
             problems.append(
-                Problem(join(where.file), info.name, f"is {where.dtype}{list(where.shape)} but the shards hold {info.dtype}{list(info.shape)}")
+                Problem(
+                    join(where.file),
+                    info.name,
+                    f"is {where.dtype}{list(where.shape)} but the shards hold {info.dtype}{list(info.shape)}",
+                )
             )
         else:
             comparable.add(t)
@@ -488,7 +510,9 @@ def _dtype_hint(plan: Layout, located: dict[str, _Located]) -> str | None:
     changed = {
         (info.dtype, located[info.name].dtype)
         for info in plan.tensors
-        if info.name in located and located[info.name].shape == info.shape and located[info.name].dtype != info.dtype
+        if info.name in located
+        and located[info.name].shape == info.shape
+        and located[info.name].dtype != info.dtype
         and DTYPE_BY_NAME[info.dtype].is_float
     }
     written = {after for _, after in changed}

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import numpy as np
 
 from .engine import Assembler, Direct, Segment, block_budget, blocks, direct_pieces, plan_item
 from .outputs import OutputBackend
-from .sources import SourceFiles
 from .plan import Layout, Part
+from .sources import SourceFiles
 
 #: Contiguous copies are issued in steps of this size so progress and signals are seen often.
 COPY_CHUNK = 256 << 20
@@ -102,7 +102,9 @@ class Writer:
             for item in self.part.items:
                 copies, segments = plan_item(self.layout, self.part, item, direct)
                 if copies:  # keep output order: what came before goes first
-                    ordered = sorted([(c.offset, c) for c in copies] + [(self._offset(s), s) for s in segments], key=lambda x: x[0])
+                    ordered = sorted(
+                        [(c.offset, c) for c in copies] + [(self._offset(s), s) for s in segments], key=lambda x: x[0]
+                    )
                     for _, unit in ordered:
                         if isinstance(unit, Direct):
                             self._write_segments(pending)

@@ -20,10 +20,24 @@ MPIEXEC = str(_VENV_MPIEXEC) if _VENV_MPIEXEC.exists() else shutil.which("mpiexe
 
 # safetensors header dtype → the name safetensors.serialize takes (torch-style).
 SPEC_DTYPE = {
-    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
-    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64",
-    "I64": "int64", "U64": "uint64", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
-    "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I32": "int32",
+    "U32": "uint32",
+    "F32": "float32",
+    "F64": "float64",
+    "I64": "int64",
+    "U64": "uint64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
     "F8_E8M0": "float8_e8m0fnu",
 }
 
@@ -74,7 +88,9 @@ def assert_consolidated(output_dir: str | os.PathLike[str], expected: Tensors, w
         assert set(got) == set(names)
         for tensor in names:
             assert got[tensor] == expected[tensor], f"{file_name}: {tensor} differs"
-        assert data == reference_bytes({n: expected[n] for n in names}), f"{file_name}: bytes differ from the reference serializer"
+        assert data == reference_bytes({n: expected[n] for n in names}), (
+            f"{file_name}: bytes differ from the reference serializer"
+        )
     leftovers = [p.name for p in output_dir.iterdir() if p.name.startswith(".")]
     assert leftovers == []
 
@@ -105,8 +121,19 @@ def writing_started(out: Path) -> bool:
 # ---------------------------------------------------------------- random sharded checkpoints
 
 #: dtypes of random checkpoints, with their element sizes in bits.
-RANDOM_DTYPES = {"F32": 32, "BF16": 16, "F16": 16, "F64": 64, "I64": 64, "I32": 32, "U8": 8, "BOOL": 8, "I8": 8,
-                 "F8_E4M3": 8, "F4": 4}
+RANDOM_DTYPES = {
+    "F32": 32,
+    "BF16": 16,
+    "F16": 16,
+    "F64": 64,
+    "I64": 64,
+    "I32": 32,
+    "U8": 8,
+    "BOOL": 8,
+    "I8": 8,
+    "F8_E4M3": 8,
+    "F4": 4,
+}
 FLOATS = {"F32", "BF16", "F16", "F64", "F8_E4M3"}
 
 
@@ -116,8 +143,7 @@ def _chunks(size: int, parts: int) -> list[tuple[int, int]]:
     return [(min(size, i * step), min(size, i * step + step) - min(size, i * step)) for i in range(parts)]
 
 
-def random_checkpoint(rng: np.random.Generator, directory: Path, ranks: int, files: int = 2
-                      ) -> tuple[Tensors, dict[str, str]]:
+def random_checkpoint(rng: np.random.Generator, directory: Path, ranks: int, files: int = 2) -> tuple[Tensors, dict[str, str]]:
     """A DCP-shaped checkpoint of random tensors cut the ways trainers cut them, written with safetensors'
     own serializer (pieces in its order, DCP_SHARDING_INFO in the metadata), one file per training rank and
     output file. Returns the full tensors (dtype, shape, bytes) and the expected weight map."""
@@ -156,8 +182,10 @@ def random_checkpoint(rng: np.random.Generator, directory: Path, ranks: int, fil
             shards.setdefault((rank, index), {})[name] = (dtype, list(sizes), piece, list(offsets))
     for (rank, index), pieces in shards.items():
         info = {name: {"saved_offsets": offsets} for name, (_, _, _, offsets) in pieces.items()}
-        blob = reference_bytes({n: (d, s, b) for n, (d, s, b, _) in pieces.items()},
-                               {"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps(info)})
+        blob = reference_bytes(
+            {n: (d, s, b) for n, (d, s, b, _) in pieces.items()},
+            {"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps(info)},
+        )
         (directory / f"shard-{rank + 1:05d}-model-{index:05d}-of-{files:05d}.safetensors").write_bytes(blob)
     return expected, weight_map
 
@@ -175,14 +203,19 @@ def _boxes(rng: np.random.Generator, shape: list[int], cut: str, ranks: int) -> 
         a = max(1, ranks // 2)
         b = max(1, ranks // a)
         rows, cols = _chunks(shape[0], a), _chunks(shape[1], b)
-        return [(i * b + j, ([r0, c0] + [0] * (ndim - 2), [rn, cn] + shape[2:]))
-                for i, (r0, rn) in enumerate(rows) for j, (c0, cn) in enumerate(cols)]
+        return [
+            (i * b + j, ([r0, c0] + [0] * (ndim - 2), [rn, cn] + shape[2:]))
+            for i, (r0, rn) in enumerate(rows)
+            for j, (c0, cn) in enumerate(cols)
+        ]
     if cut in ("columns", "last") and ndim >= 2:
         dim = 1 if cut == "columns" else ndim - 1
         step = 2 if shape[-1] % 2 == 0 and dim == ndim - 1 else 1  # F4: keep whole bytes
         pieces = _chunks(shape[dim] // step, ranks)
-        return [(r, ([0] * dim + [o * step] + [0] * (ndim - dim - 1), shape[:dim] + [n * step] + shape[dim + 1 :]))
-                for r, (o, n) in enumerate(pieces)]
+        return [
+            (r, ([0] * dim + [o * step] + [0] * (ndim - dim - 1), shape[:dim] + [n * step] + shape[dim + 1 :]))
+            for r, (o, n) in enumerate(pieces)
+        ]
     if cut == "tiny" and 0 < shape[0] <= ranks:  # one row per piece, each on its own rank: many small pieces
         return [(row, ([row] + [0] * (ndim - 1), [1] + shape[1:])) for row in range(shape[0])]
     return [(r, ([o] + [0] * (ndim - 1), [n] + shape[1:])) for r, (o, n) in enumerate(_chunks(shape[0], ranks))]

@@ -13,15 +13,15 @@ import json
 import re
 import shutil
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
+from helpers import FIXTURES, mpirun, reference_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import FIXTURES, mpirun, reference_bytes
 from mpicons.errors import InputError
 from mpicons.plan import build_plan
 from mpicons.table import read_table
@@ -307,7 +307,9 @@ def mapping_misses_tensor(inp: Path) -> Expect:
 def mapping_names_absent_tensor(inp: Path) -> Expect:
     mapping = {**json.loads(MAPPING.read_text()), "model.lm_head_tied.weight": 1}
     path = _mapping(inp, mapping)
-    return Expect(r"names tensor 'model.lm_head_tied.weight', which the checkpoint does not hold", str(path), args=["--mapping", str(path)])
+    return Expect(
+        r"names tensor 'model.lm_head_tied.weight', which the checkpoint does not hold", str(path), args=["--mapping", str(path)]
+    )
 
 
 def mapping_escapes_directory(inp: Path) -> Expect:
@@ -349,14 +351,43 @@ def replica_differs(inp: Path) -> Expect:
 
 
 CASES = [
-    missing_dir, empty_dir, not_safetensors, too_short, truncated_data, truncated_header,
-    header_length_past_file, header_length_over_cap, header_not_utf8, header_not_json, header_not_object,
-    info_missing, info_not_json, info_entry_malformed, info_lacks_tensor, info_offsets_wrong_length,
-    piece_at_negative_offset, piece_beyond_int64, unknown_dtype, offsets_disagree_with_shape,
-    offsets_overlap, offsets_gap, offsets_past_file, pieces_overlap, pieces_leave_hole, shard_file_missing,
-    pieces_disagree_on_dtype, pieces_disagree_on_rank, same_pieces_in_two_files, stray_plain_safetensors,
-    renamed_shard, output_counts_disagree, mapping_misses_tensor, mapping_names_absent_tensor,
-    mapping_escapes_directory, shard_number_out_of_range, replica_differs,
+    missing_dir,
+    empty_dir,
+    not_safetensors,
+    too_short,
+    truncated_data,
+    truncated_header,
+    header_length_past_file,
+    header_length_over_cap,
+    header_not_utf8,
+    header_not_json,
+    header_not_object,
+    info_missing,
+    info_not_json,
+    info_entry_malformed,
+    info_lacks_tensor,
+    info_offsets_wrong_length,
+    piece_at_negative_offset,
+    piece_beyond_int64,
+    unknown_dtype,
+    offsets_disagree_with_shape,
+    offsets_overlap,
+    offsets_gap,
+    offsets_past_file,
+    pieces_overlap,
+    pieces_leave_hole,
+    shard_file_missing,
+    pieces_disagree_on_dtype,
+    pieces_disagree_on_rank,
+    same_pieces_in_two_files,
+    stray_plain_safetensors,
+    renamed_shard,
+    output_counts_disagree,
+    mapping_misses_tensor,
+    mapping_names_absent_tensor,
+    mapping_escapes_directory,
+    shard_number_out_of_range,
+    replica_differs,
 ]
 
 
@@ -400,7 +431,9 @@ def test_the_rewriting_helpers_alone_break_nothing(tmp_path: Path, ranks: int) -
     proc, _ = mpirun(ranks, ["-m", "mpicons", "consolidate", "-q", str(inp), str(out)], timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [
-        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
     ]
 
 

@@ -6,10 +6,10 @@ import json
 
 import numpy as np
 import pytest
+from helpers import FIXTURE_NAMES, FIXTURES, assert_consolidated, fixture_expected, index_weight_map
 from mpi4py import MPI
 
 import mpicons
-from helpers import FIXTURE_NAMES, FIXTURES, assert_consolidated, fixture_expected, index_weight_map
 from mpicons.sample import SampleConfig, expected_mapping, full_tensor, tensor_specs, write_sample
 
 pytestmark = pytest.mark.mpi

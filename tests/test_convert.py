@@ -8,10 +8,10 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import FIXTURES, assert_consolidated, fixture_expected, index_weight_map, load_tensors, reference_bytes
 from mpi4py import MPI
 
 import mpicons
-from helpers import FIXTURES, assert_consolidated, fixture_expected, index_weight_map, load_tensors, reference_bytes
 from mpicons.convert import convert
 
 NUMPY = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "F8_E4M3": ml_dtypes.float8_e4m3fn}
@@ -52,12 +52,14 @@ def reference_convert(dtype: str, data: bytes, target: str) -> tuple[str, bytes]
 @pytest.mark.parametrize("source", ["F64", "F32", "F16", "BF16"])
 def test_rounding_is_nearest_even(source, target):
     rng = np.random.default_rng(7)
-    values = np.concatenate([
-        rng.standard_normal(20_000) * 10.0 ** rng.integers(-4, 4, 20_000),
-        # exact ties and just-off ties around 1 for both targets (bf16 ulp 2^-7, f16 ulp 2^-10)
-        1 + np.array([2**-8, 3 * 2**-8, 2**-8 + 2**-30, 2**-8 - 2**-30, 2**-11, 3 * 2**-11, 2**-11 + 2**-40]),
-        [0.0, -0.0, 1e-3, -65504.0, 3.0e38],
-    ])
+    values = np.concatenate(
+        [
+            rng.standard_normal(20_000) * 10.0 ** rng.integers(-4, 4, 20_000),
+            # exact ties and just-off ties around 1 for both targets (bf16 ulp 2^-7, f16 ulp 2^-10)
+            1 + np.array([2**-8, 3 * 2**-8, 2**-8 + 2**-30, 2**-8 - 2**-30, 2**-11, 3 * 2**-11, 2**-11 + 2**-40]),
+            [0.0, -0.0, 1e-3, -65504.0, 3.0e38],
+        ]
+    )
     values = values[np.abs(values) < (65504 if target == "F16" or source == "F16" else 3.0e38)]
     source_values = values.astype(NUMPY[source])
     out = np.empty(len(values), dtype=NUMPY[target])
@@ -127,6 +129,8 @@ def test_plain_safetensors_checkpoint_is_copied_or_resharded(mpi_tmp_path):
     result = mpicons.consolidate(source, mpi_tmp_path / "resharded", comm=comm, max_shard_size=100_000, dtype="fp32")
     assert len(result.files) > 2
     index = json.loads((mpi_tmp_path / "resharded" / "model.safetensors.index.json").read_text())
-    converted = {n: (lambda d: (d[0], expected[n][1], d[1]))(reference_convert(expected[n][0], expected[n][2], "F32")) for n in names}
+    converted = {
+        n: (lambda d: (d[0], expected[n][1], d[1]))(reference_convert(expected[n][0], expected[n][2], "F32")) for n in names
+    }
     assert_consolidated(mpi_tmp_path / "resharded", converted, index["weight_map"])
     assert all(load_tensors(mpi_tmp_path / "resharded" / f) for f in result.files)

@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import FIXTURES, MPIEXEC, assert_consolidated, fixture_expected, index_weight_map, mpirun, writing_started
 
 HERE = Path(__file__).parent
@@ -25,7 +24,18 @@ def final_names(out: Path) -> list[str]:
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_io_error_on_one_rank_fails_all_and_publishes_nothing(tmp_path, ranks):
     victim = ranks - 1
-    proc, seconds = mpirun(ranks, [str(HERE / "scripts" / "inject.py"), "write-oserror", str(victim), "--", "consolidate", str(INPUT), str(tmp_path / "out")])
+    proc, seconds = mpirun(
+        ranks,
+        [
+            str(HERE / "scripts" / "inject.py"),
+            "write-oserror",
+            str(victim),
+            "--",
+            "consolidate",
+            str(INPUT),
+            str(tmp_path / "out"),
+        ],
+    )
     assert proc.returncode == 1, proc.stderr
     assert f"[rank {victim}]" in proc.stderr and "/injected/path" in proc.stderr
     assert proc.stderr.count("mpicons: error:") == 1
@@ -34,7 +44,9 @@ def test_io_error_on_one_rank_fails_all_and_publishes_nothing(tmp_path, ranks):
 
 
 def test_unexpected_exception_outside_a_phase_aborts_the_job(tmp_path):
-    proc, seconds = mpirun(3, [str(HERE / "scripts" / "inject.py"), "bug-after-write", "1", "--", "consolidate", str(INPUT), str(tmp_path / "out")])
+    proc, seconds = mpirun(
+        3, [str(HERE / "scripts" / "inject.py"), "bug-after-write", "1", "--", "consolidate", str(INPUT), str(tmp_path / "out")]
+    )
     assert proc.returncode != 0
     assert "internal error on rank 1" in proc.stderr
     assert seconds < 30
@@ -49,8 +61,19 @@ def test_bad_input_exits_2_on_every_rank_with_one_message(tmp_path):
 
 def test_cli_runs_without_a_launcher(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "mpicons", "consolidate", str(INPUT), str(tmp_path / "out"), "--stats-json", str(tmp_path / "s.json")],
-        capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "mpicons",
+            "consolidate",
+            str(INPUT),
+            str(tmp_path / "out"),
+            "--stats-json",
+            str(tmp_path / "s.json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     assert "/s overall" in proc.stdout
@@ -80,7 +103,9 @@ def _start(ranks: int, args: list[str], **kwargs) -> subprocess.Popen:
 def test_signal_to_the_job_aborts_cleanly(tmp_path, signum):
     """What Slurm does before a time limit: every rank stops, partial files are removed."""
     out = tmp_path / "out"
-    proc = _start(3, [INJECT, "slow-write", "0", "--", "consolidate", str(INPUT), str(out), "--buffer-size", "64K", "--split", "files"])
+    proc = _start(
+        3, [INJECT, "slow-write", "0", "--", "consolidate", str(INPUT), str(out), "--buffer-size", "64K", "--split", "files"]
+    )
     deadline = time.monotonic() + 20
     while not writing_started(out) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -139,7 +164,10 @@ def test_read_only_output_directory_is_a_clean_error(tmp_path):
     target.mkdir()
     mounted = False
     if os.geteuid() == 0:  # root ignores permission bits: use a read-only mount if we may
-        mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)], capture_output=True).returncode == 0
+        mounted = (
+            subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(target)], capture_output=True).returncode
+            == 0
+        )
         if not mounted:
             pytest.skip("running as root without permission to mount a read-only file system")
     else:

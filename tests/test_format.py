@@ -7,10 +7,10 @@ import struct
 
 import numpy as np
 import pytest
+from helpers import SPEC_DTYPE, reference_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import SPEC_DTYPE, reference_bytes
 from mpicons.errors import InputError
 from mpicons.format import DTYPE_BY_NAME, DTYPES, build_header, nbytes_of, parse_header, read_header, reference_order
 
@@ -48,7 +48,11 @@ def test_layout_is_byte_identical_to_reference_serializer(tensors):
 
 
 def test_every_dtype_round_trips():
-    tensors = {f"t.{d.name}": (d.name, [2, 4], bytes(range(nbytes_of(d.name, [2, 4])))) for d in DTYPES if d.name in SPEC_DTYPE or d.name == "F4"}
+    tensors = {
+        f"t.{d.name}": (d.name, [2, 4], bytes(range(nbytes_of(d.name, [2, 4]))))
+        for d in DTYPES
+        if d.name in SPEC_DTYPE or d.name == "F4"
+    }
     blob = reference_bytes(tensors)
     (length,) = struct.unpack("<Q", blob[:8])
     header = parse_header(blob[8 : 8 + length], len(blob))
@@ -58,7 +62,10 @@ def test_every_dtype_round_trips():
 
 
 def test_dtype_order_matches_reference():
-    tensors = {f"x{i}": (name, [1] if DTYPE_BY_NAME[name].bits % 8 == 0 else [2], b"") for i, name in enumerate(reversed(WHOLE_BYTE_DTYPES))}
+    tensors = {
+        f"x{i}": (name, [1] if DTYPE_BY_NAME[name].bits % 8 == 0 else [2], b"")
+        for i, name in enumerate(reversed(WHOLE_BYTE_DTYPES))
+    }
     tensors = {n: (d, s, bytes(nbytes_of(d, s))) for n, (d, s, _) in tensors.items()}
     blob = reference_bytes(tensors)
     (length,) = struct.unpack("<Q", blob[:8])
@@ -83,17 +90,31 @@ def _header(obj, pad=True):
         (_header({"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}), 0, "needs 8"),
         (_header({"t": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}), 0, "data_offsets"),
         (
-            _header({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "b": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}),
+            _header(
+                {
+                    "a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+                    "b": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]},
+                }
+            ),
             0,
             "overlaps",
         ),
         (
-            _header({"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}, "b": {"dtype": "U8", "shape": [2], "data_offsets": [3, 5]}}),
+            _header(
+                {
+                    "a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]},
+                    "b": {"dtype": "U8", "shape": [2], "data_offsets": [3, 5]},
+                }
+            ),
             0,
             "gap",
         ),
         (_header({"t": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}), 3, "truncated"),
-        (b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"t":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}', 0, "twice"),
+        (
+            b'{"t":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},"t":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}}',
+            0,
+            "twice",
+        ),
         (_header({"t": {"dtype": "F4", "shape": [3], "data_offsets": [0, 1]}}), 0, "whole number of bytes"),
     ],
 )

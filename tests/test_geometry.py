@@ -14,10 +14,10 @@ import shutil
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import FLOATS, assert_consolidated, random_checkpoint
 from mpi4py import MPI
 
 import mpicons
-from helpers import FLOATS, assert_consolidated, random_checkpoint
 
 pytestmark = pytest.mark.mpi
 SEEDS = range(8)

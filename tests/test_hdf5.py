@@ -5,16 +5,24 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import FIXTURE_NAMES, FIXTURES, fixture_expected
 from mpi4py import MPI
 
 import mpicons
-from helpers import FIXTURE_NAMES, FIXTURES, fixture_expected
 
 h5py = pytest.importorskip("h5py")
 pytestmark = pytest.mark.mpi
 
-VIEW = {"BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "BOOL": np.bool_, "U8": np.uint8, "I64": np.int64,
-        "F16": np.float16, "F32": np.float32, "F64": np.float64}
+VIEW = {
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I64": np.int64,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+}
 
 
 @pytest.mark.parametrize("fixture", FIXTURE_NAMES)

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import FIXTURE_NAMES, FIXTURES, fixture_expected, index_weight_map, mpirun, reference_bytes
 from mpi4py import MPI
 
 import mpicons
-from helpers import FIXTURE_NAMES, FIXTURES, fixture_expected, index_weight_map, mpirun, reference_bytes
 from mpicons.inspection import InspectReport, inspect
 
 mpi = pytest.mark.mpi
@@ -264,7 +264,10 @@ def test_cli_preview_writes_json(tmp_path):
 def test_cli_without_a_launcher(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mpicons", "inspect", str(EDGE), "--limit", "3"],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
     )
     assert proc.returncode == 0, proc.stderr

@@ -6,10 +6,10 @@ import shutil
 
 import numpy as np
 import pytest
+from helpers import assert_consolidated
 from mpi4py import MPI
 
 import mpicons
-from helpers import assert_consolidated
 from mpicons.errors import InputError
 from mpicons.sample import SampleConfig, expected_mapping, full_tensor, tensor_specs, write_sample
 

@@ -52,9 +52,22 @@ def test_peak_rss_is_bounded_by_the_buffer_on_a_multi_gib_tensor(tmp_path):
     out = tmp_path / "out"
     script = Path(__file__).parent / "scripts" / "peak_rss.py"
     proc = subprocess.run(
-        [sys.executable, str(script), "consolidate", str(shards), str(out), "--buffer-size", "32M",
-         "--stats-json", str(tmp_path / "s.json"), "-q"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+        [
+            sys.executable,
+            str(script),
+            "consolidate",
+            str(shards),
+            str(out),
+            "--buffer-size",
+            "32M",
+            "--stats-json",
+            str(tmp_path / "s.json"),
+            "-q",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
     )
     assert proc.returncode == 0, proc.stderr
     stats = json.loads((tmp_path / "s.json").read_text())
@@ -86,9 +99,9 @@ def test_planning_memory_is_the_ranks_share_of_the_pieces(mpi_tmp_path):
     stated bound for 1/size of the pieces, so it fails if any rank held (or copied) the whole table."""
     import tracemalloc
 
+    from helpers import reference_bytes
     from mpi4py import MPI
 
-    from helpers import reference_bytes
     from mpicons.comm import as_communicator
     from mpicons.plan import build_layout
     from mpicons.scan import distribute, scan

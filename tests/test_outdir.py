@@ -138,6 +138,7 @@ def _crash_at(out: Path, label: str) -> None:
     """Publish in a child process that dies (no cleanup at all) when it reaches ``label``."""
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
+
         def die(now: str) -> None:
             if now == label:
                 os._exit(9)

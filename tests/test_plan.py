@@ -80,11 +80,12 @@ def test_identical_replicas_count_once():
     # A norm replicated on every rank, next to each rank's own share of a matrix.
     pieces = [(f, "n", "F32", [0], [8]) for f in "abc"] + [(f, "w", "F32", [2 * i], [2]) for i, f in enumerate("abc")]
 
-
     def sources(plan):
         # A piece crossing two ranks' rows is in both parts: the files kept, over all parts.
-        return {t.name: sorted({f for part in plan.parts for f in part.tensor_pieces(i).file.tolist()})
-                for i, t in enumerate(plan.tensors)}
+        return {
+            t.name: sorted({f for part in plan.parts for f in part.tensor_pieces(i).file.tolist()})
+            for i, t in enumerate(plan.tensors)
+        }
 
     plan = build_plan(make_table(pieces), 2)
     kept = sources(plan)

@@ -9,12 +9,12 @@ import subprocess
 import sys
 
 import pytest
-from mpi4py import MPI
-
 from helpers import MPIEXEC
+from mpi4py import MPI
+from test_failures import INJECT, INPUT, mpirun
+
 from mpicons.comm import as_communicator
 from mpicons.progress import Progress, human_bytes, watched_terminal_columns
-from test_failures import INJECT, INPUT, mpirun
 
 
 class FakeTerminal(io.StringIO):
@@ -29,8 +29,25 @@ def lines_mode(monkeypatch):
 
 
 def test_log_lines_from_every_rank_reach_rank_0(tmp_path, lines_mode):
-    proc, _ = mpirun(3, [INJECT, "slow-write", "0", "--", "consolidate", str(INPUT), str(tmp_path / "out"),
-                         "--buffer-size", "64K", "--split", "files", "--progress", "0.1", "-v"])
+    proc, _ = mpirun(
+        3,
+        [
+            INJECT,
+            "slow-write",
+            "0",
+            "--",
+            "consolidate",
+            str(INPUT),
+            str(tmp_path / "out"),
+            "--buffer-size",
+            "64K",
+            "--split",
+            "files",
+            "--progress",
+            "0.1",
+            "-v",
+        ],
+    )
     assert proc.returncode == 0, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("mpicons: progress")]
     assert len(lines) >= 2
@@ -41,7 +58,9 @@ def test_log_lines_from_every_rank_reach_rank_0(tmp_path, lines_mode):
 
 
 def test_quiet_prints_nothing(tmp_path, lines_mode):
-    proc, _ = mpirun(2, [INJECT, "slow-write", "0", "--", "consolidate", str(INPUT), str(tmp_path / "out"), "--progress", "0.1", "-q"])
+    proc, _ = mpirun(
+        2, [INJECT, "slow-write", "0", "--", "consolidate", str(INPUT), str(tmp_path / "out"), "--progress", "0.1", "-q"]
+    )
     assert proc.returncode == 0
     assert proc.stdout == "" and proc.stderr == ""
 
@@ -73,15 +92,27 @@ def test_terminal_behind_the_launcher_is_found():
     code = "import sys; from mpicons.progress import watched_terminal_columns as w; print(w(sys.stderr))"
     master, slave = os.openpty()
     try:
-        proc = subprocess.run([MPIEXEC, "-n", "1", sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=slave,
-                              text=True, timeout=60, env={**env, "PYTHONPATH": str(INPUT.parents[3].parent)})
+        proc = subprocess.run(
+            [MPIEXEC, "-n", "1", sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            text=True,
+            timeout=60,
+            env={**env, "PYTHONPATH": str(INPUT.parents[3].parent)},
+        )
     finally:
         os.close(master)
         os.close(slave)
     assert proc.returncode == 0
     assert proc.stdout.strip().isdigit()  # mpiexec's stderr is a terminal: columns found
-    proc = subprocess.run([MPIEXEC, "-n", "1", sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                          env={**env, "PYTHONPATH": str(INPUT.parents[3].parent)}, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [MPIEXEC, "-n", "1", sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "PYTHONPATH": str(INPUT.parents[3].parent)},
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.stdout.strip() == "None"  # pipes all the way: lines
 
 

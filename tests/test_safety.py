@@ -19,9 +19,15 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import (
-    FIXTURES, MPIEXEC, assert_consolidated, fixture_expected, index_weight_map, mpirun, reference_bytes, writing_started,
+    FIXTURES,
+    MPIEXEC,
+    assert_consolidated,
+    fixture_expected,
+    index_weight_map,
+    mpirun,
+    reference_bytes,
+    writing_started,
 )
 
 ROOT = Path(__file__).parent.parent
@@ -36,8 +42,14 @@ def cli(ranks: int, *args: str, timeout: float = 60) -> tuple[subprocess.Complet
 
 
 def start(ranks: int, *args: str) -> subprocess.Popen:
-    return subprocess.Popen([MPIEXEC, "-n", str(ranks), sys.executable, *map(str, args)], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+    return subprocess.Popen(
+        [MPIEXEC, "-n", str(ranks), sys.executable, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
 
 
 def one_error(proc: subprocess.CompletedProcess) -> str:
@@ -113,8 +125,12 @@ def test_planted_links_and_entries_are_never_followed_or_reused(tmp_path):
     victim.write_bytes(b"precious")
     out = tmp_path / "out"
     out.mkdir()
-    for name in (".model-00001-of-00002.safetensors.mpicons-partial", ".model.safetensors.index.json.mpicons-partial",
-                 ".mpicons.lock.0000000000000000", ".mpicons-staging-guess"):
+    for name in (
+        ".model-00001-of-00002.safetensors.mpicons-partial",
+        ".model.safetensors.index.json.mpicons-partial",
+        ".mpicons.lock.0000000000000000",
+        ".mpicons-staging-guess",
+    ):
         (out / name).symlink_to(victim)
     (out / ".model-00002-of-00002.safetensors.mpicons-partial").mkdir()  # a directory at an old temporary name
     (out / "model-00002-of-00002.safetensors").symlink_to(victim)  # at a final name: replaced, never written through
@@ -123,9 +139,13 @@ def test_planted_links_and_entries_are_never_followed_or_reused(tmp_path):
     assert victim.read_bytes() == b"precious"
     assert not (out / "model-00002-of-00002.safetensors").is_symlink()
     planted = {p.name for p in out.iterdir() if p.name.startswith(".")}
-    assert planted == {".model-00001-of-00002.safetensors.mpicons-partial", ".model.safetensors.index.json.mpicons-partial",
-                       ".mpicons.lock.0000000000000000", ".mpicons-staging-guess",
-                       ".model-00002-of-00002.safetensors.mpicons-partial"}
+    assert planted == {
+        ".model-00001-of-00002.safetensors.mpicons-partial",
+        ".model.safetensors.index.json.mpicons-partial",
+        ".mpicons.lock.0000000000000000",
+        ".mpicons-staging-guess",
+        ".model-00002-of-00002.safetensors.mpicons-partial",
+    }
     expected, mapping = fixture_expected("edge-3ranks")
     for path in out.glob("model-*.safetensors"):
         names = [n for n, f in index_weight_map(mapping).items() if f == path.name]
@@ -180,8 +200,10 @@ def test_force_leaves_exactly_the_new_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stdout
 
 
-@pytest.mark.parametrize("fault", ["publish-aside-term", "publish-publish-term", "publish-write-error",
-                                   "publish-journal-error", "publish-publish-error"])
+@pytest.mark.parametrize(
+    "fault",
+    ["publish-aside-term", "publish-publish-term", "publish-write-error", "publish-journal-error", "publish-publish-error"],
+)
 def test_a_failure_while_publishing_leaves_the_directory_as_it_was(tmp_path, fault):
     """SIGTERM during the renames (a Slurm time limit), disk full at the index: old checkpoint intact, rerun works."""
     out = tmp_path / "out"
@@ -293,12 +315,15 @@ def _plain_checkpoint(directory: Path, names: list[str]) -> None:
     (directory / "model.safetensors").write_bytes(reference_bytes(tensors))
 
 
-@pytest.mark.parametrize("names, phrase", [
-    (["a\0b"], "cannot be an HDF5 dataset"),
-    (["layers..x"], "cannot be an HDF5 dataset"),
-    (["a", "a.b"], "would be both a dataset and a group"),
-    (["a.b", "a/b"], "would both be the HDF5 dataset /a/b"),
-])
+@pytest.mark.parametrize(
+    "names, phrase",
+    [
+        (["a\0b"], "cannot be an HDF5 dataset"),
+        (["layers..x"], "cannot be an HDF5 dataset"),
+        (["a", "a.b"], "would be both a dataset and a group"),
+        (["a.b", "a/b"], "would both be the HDF5 dataset /a/b"),
+    ],
+)
 def test_names_hdf5_cannot_hold_are_bad_input(tmp_path, names, phrase):
     _plain_checkpoint(tmp_path / "in", names)
     proc, _ = cli(2, "consolidate", tmp_path / "in", tmp_path / "out", "--format", "hdf5")
@@ -327,6 +352,7 @@ def test_usage_errors_are_printed_once(tmp_path):
 def _limit_files(count: int):
     def apply() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (count, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+
     return apply
 
 
@@ -342,9 +368,28 @@ def test_more_outputs_than_open_files_allowed(tmp_path, io):
     assert len(names) > 600
     (tmp_path / "mapping.json").write_text(json.dumps({name: i + 1 for i, name in enumerate(names)}))
     proc = subprocess.run(
-        [MPIEXEC, "-n", "2", sys.executable, "-m", "mpicons", "consolidate", str(tmp_path / "in"), str(tmp_path / "out"),
-         "--mapping", str(tmp_path / "mapping.json"), "--io", io, "-q", "--no-sync"],
-        capture_output=True, text=True, timeout=300, env=ENV, preexec_fn=_limit_files(200),
+        [
+            MPIEXEC,
+            "-n",
+            "2",
+            sys.executable,
+            "-m",
+            "mpicons",
+            "consolidate",
+            str(tmp_path / "in"),
+            str(tmp_path / "out"),
+            "--mapping",
+            str(tmp_path / "mapping.json"),
+            "--io",
+            io,
+            "-q",
+            "--no-sync",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=ENV,
+        preexec_fn=_limit_files(200),
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(list((tmp_path / "out").glob("model-*.safetensors"))) == len(names)
@@ -388,8 +433,13 @@ def test_disk_full_is_one_line_naming_the_file(small_disk, io):
 
 
 def _pipeline(command: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", f"set -o pipefail; {command}; echo \"status ${{PIPESTATUS[0]}}\" >&2"],
-                          capture_output=True, text=True, timeout=60, env=ENV)
+    return subprocess.run(
+        ["bash", "-c", f'set -o pipefail; {command}; echo "status ${{PIPESTATUS[0]}}" >&2'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+    )
 
 
 def test_a_closed_standard_output_ends_quietly(tmp_path):
@@ -424,7 +474,9 @@ def test_verify_on_a_sharded_directory_says_what_to_do(tmp_path):
     assert proc.returncode == 1
     lines = proc.stdout.splitlines()
     assert len(lines) == 2, proc.stdout  # one problem and the summary
-    assert f"not a consolidated checkpoint; to check a consolidation of it: mpicons verify OUTPUT_DIR --against {INPUT}" in lines[0]
+    assert (
+        f"not a consolidated checkpoint; to check a consolidation of it: mpicons verify OUTPUT_DIR --against {INPUT}" in lines[0]
+    )
 
 
 def test_verify_hints_at_dtype_for_a_converted_output(tmp_path):

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import assert_consolidated, fixture_expected, index_weight_map, writing_started
+from test_failures import INPUT, MPIEXEC
+
 from mpicons.cli import check_launcher
 from mpicons.errors import InputError
-from test_failures import INPUT, MPIEXEC
 
 ROOT = Path(__file__).parent.parent
 
@@ -29,7 +29,10 @@ def test_sbatch_script_runs_with_mpiexec_in_place_of_srun(tmp_path):
     out = tmp_path / "hf"
     proc = subprocess.run(
         ["bash", str(ROOT / "slurm" / "consolidate.sbatch"), str(INPUT), str(out), "--split", "files"],
-        capture_output=True, text=True, timeout=120, env=_env(MPICONS_LAUNCH=f"{MPIEXEC} -n 3", MPICONS_PROGRESS="5"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(MPICONS_LAUNCH=f"{MPIEXEC} -n 3", MPICONS_PROGRESS="5"),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "finished with exit code 0" in proc.stdout
@@ -40,7 +43,10 @@ def test_sbatch_script_runs_with_mpiexec_in_place_of_srun(tmp_path):
 def test_sbatch_script_passes_failure_through(tmp_path):
     proc = subprocess.run(
         ["bash", str(ROOT / "slurm" / "consolidate.sbatch"), str(tmp_path / "missing"), str(tmp_path / "hf")],
-        capture_output=True, text=True, timeout=120, env=_env(MPICONS_LAUNCH=f"{MPIEXEC} -n 2"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(MPICONS_LAUNCH=f"{MPIEXEC} -n 2"),
     )
     assert proc.returncode == 2
     assert "finished with exit code 2" in proc.stdout
@@ -54,11 +60,13 @@ def test_sbatch_script_usr1_before_time_limit_stops_cleanly(tmp_path):
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     shim = venv / "bin" / "mpicons"  # mpicons with slow writes, so the signal lands mid-write
-    shim.write_text(f"#!/bin/sh\nexec {sys.executable} {script} slow-write 0 -- \"$@\"\n")
+    shim.write_text(f'#!/bin/sh\nexec {sys.executable} {script} slow-write 0 -- "$@"\n')
     shim.chmod(0o755)
     proc = subprocess.Popen(
         ["bash", str(ROOT / "slurm" / "consolidate.sbatch"), str(INPUT), str(out), "--buffer-size", "64K", "--split", "files"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**_env(MPICONS_LAUNCH=launch, PYTHONPATH=str(ROOT)), "MPICONS_VENV": str(venv)},
     )
     deadline = time.monotonic() + 20
@@ -92,7 +100,10 @@ def test_launcher_mismatch_detection(env, world, bad):
 def test_launcher_mismatch_stops_the_command(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mpicons", "consolidate", str(INPUT), str(tmp_path / "out")],
-        capture_output=True, text=True, timeout=60, env={**_env(), "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_ID": "0"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**_env(), "SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_ID": "0"},
     )
     assert proc.returncode == 2
     assert "srun started 4 tasks but MPI sees 1 rank" in proc.stderr

@@ -12,16 +12,15 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import pytest
+from helpers import FIXTURE_NAMES, FIXTURES, reference_bytes
 from mpi4py import MPI
 
 import mpicons
-from helpers import FIXTURE_NAMES, FIXTURES, reference_bytes
-from mpicons.errors import InputError
 from mpicons.format import DTYPE_BY_NAME, read_header
 from mpicons.verify import VerifyReport, verify
 
@@ -141,7 +140,9 @@ def test_flipped_bytes_are_found_with_their_first_element(buffer_size, mpi_tmp_p
     assert _verify(comm, out).ok  # structure is intact: only --against can see it
     report = _verify(comm, out, against=EDGE, buffer_size=buffer_size)
     assert len(report.problems) == 3, report.lines()
-    assert _has(report, FILE1, "model.layers.0.mlp.down_proj.weight", "differs from the shards in 2 of 11968 elements; first at [37, 150]")
+    assert _has(
+        report, FILE1, "model.layers.0.mlp.down_proj.weight", "differs from the shards in 2 of 11968 elements; first at [37, 150]"
+    )
     assert _has(report, FILE2, "moe.experts.w1", "in 1 of 8448 elements; first at [2, 10, 30]")
     assert _has(report, FILE1, "buffers.step", "in 1 of 5 elements; first at [4]")
     line = next(line for line in report.lines() if "buffers.step" in line)
@@ -337,7 +338,10 @@ def test_cli_exit_codes_at_3_ranks(tmp_path):
     bad = _mpirun(3, ["verify", str(out), "--against", str(EDGE), "--json", str(report_path), "--buffer-size", "1K"])
     assert bad.returncode == 1, bad.stdout + bad.stderr
     lines = bad.stdout.splitlines()
-    assert f"{out / FILE2}: tensor 'moe.experts.w1': differs from the shards in 1 of 8448 elements; first at [1, 2, 3]" in "\n".join(lines)
+    assert (
+        f"{out / FILE2}: tensor 'moe.experts.w1': differs from the shards in 1 of 8448 elements; first at [1, 2, 3]"
+        in "\n".join(lines)
+    )
     assert f"{out / 'extra.safetensors'}: not listed in the index (stray file)" in lines
     assert lines[-1].startswith("mpicons verify: 3 problems")
     assert "mpicons: error" not in bad.stderr

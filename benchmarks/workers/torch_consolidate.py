@@ -52,8 +52,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.every_rank:
             hf.consolidate_safetensors_files_on_every_rank(args.input_dir, args.output_dir, mapping, num_threads=args.threads)
         else:
-            hf.consolidate_safetensors_files(args.input_dir, args.output_dir, fqn_to_index_mapping=mapping,
-                                             num_threads=args.threads)
+            hf.consolidate_safetensors_files(
+                args.input_dir, args.output_dir, fqn_to_index_mapping=mapping, num_threads=args.threads
+            )
     except Exception as exc:  # noqa: BLE001 - reported to the driver (e.g. torch.finfo on int tensors)
         error = f"{type(exc).__name__}: {exc}"
     call_s = time.perf_counter() - began
@@ -73,8 +74,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             finally:
                 os.close(fd)
         sync_s = time.perf_counter() - began
-        Path(args.result).write_text(json.dumps({"import_s": import_s, "call_s": call_s, "sync_s": sync_s,
-                                                 "peak_rss_mb": rss, "error": error}))
+        Path(args.result).write_text(
+            json.dumps({"import_s": import_s, "call_s": call_s, "sync_s": sync_s, "peak_rss_mb": rss, "error": error})
+        )
 
 
 if __name__ == "__main__":

@@ -21,8 +21,8 @@ import time
 
 import mpicons.cli
 import mpicons.consolidation
-import mpicons.writer
 import mpicons.outdir
+import mpicons.writer
 
 fault, victim = sys.argv[1], int(sys.argv[2])
 args = sys.argv[sys.argv.index("--") + 1 :]
@@ -51,11 +51,13 @@ elif fault == "slow-write":  # every rank: slow writes, so a signal can arrive m
     mpicons.writer.Writer._next_slot = slow_slot
 elif rank == victim:
     if fault == "write-oserror":
+
         def failing_run(self):
             raise OSError(5, "Input/output error (injected)", "/injected/path")
 
         mpicons.writer.Writer.run = failing_run
     elif fault == "bug-after-write":
+
         def failing_stats(*a, **k):
             raise RuntimeError("injected bug outside an agreed phase")
 
