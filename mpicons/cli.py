@@ -16,7 +16,7 @@ import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
-from typing import IO, TYPE_CHECKING, NoReturn
+from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
 from .errors import InputError, MpiconsError, WriteError
@@ -64,7 +64,7 @@ def launcher_rank() -> int:
 class _Parser(argparse.ArgumentParser):
     """Usage errors and help printed once per job (by rank 0), not once per rank."""
 
-    def _print_message(self, message: str, file: IO[str] | None = None) -> None:
+    def _print_message(self, message: str, file: Any = None) -> None:
         if launcher_rank() == 0 and message:
             say(message, file or sys.stderr, end="")
 
@@ -461,8 +461,8 @@ def _abort_job(exc: BaseException) -> int:
     mpi = sys.modules.get("mpi4py.MPI")
     rank = launcher_rank()
     say(f"mpicons: internal error on rank {rank}: {type(exc).__name__}: {exc}", sys.stderr)
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.size > 1:  # type: ignore[attr-defined]
-        mpi.COMM_WORLD.Abort(1)  # type: ignore[attr-defined]
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.size > 1:
+        mpi.COMM_WORLD.Abort(1)
     return 1
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pickle
 import time
 from collections.abc import Callable, Sequence
+from importlib import import_module
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
@@ -102,11 +103,12 @@ def as_communicator(comm: object | None) -> Communicator:
     if module.startswith("mpi4py"):
         from ._mpi import MPIComm
 
-        return MPIComm(comm)
+        mpi: Any = comm
+        return MPIComm(mpi)
     if module.startswith("torch"):
-        from .torch import TorchComm
-
-        return TorchComm(comm)
+        torch_module: Any = import_module(".torch", __package__)
+        result: Communicator = torch_module.TorchComm(comm)
+        return result
     raise TypeError(f"not a communicator: {comm!r} (an mpi4py intracommunicator, a torch.distributed process group, or None)")
 
 

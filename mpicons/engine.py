@@ -519,7 +519,7 @@ class Assembler:
         reads, positions = coalesce(runs, self.block_bytes // 4)
         source = self._grow("source", reads.total)
         for f, s, n, p in zip(reads.file.tolist(), reads.src.tolist(), reads.length.tolist(), reads.position.tolist()):
-            self.read(f, s, memoryview(source[p : p + n]))
+            self.read(f, s, source[p : p + n].data)
         place(source, positions, target, runs)
 
     def finish(self, block: Block, target: np.ndarray, output: np.ndarray) -> np.ndarray:

@@ -16,6 +16,7 @@ signal, keeps its part of the message pattern without doing I/O and raises at th
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Callable
 
@@ -57,7 +58,7 @@ class ExchangeWriter:
     ) -> None:
         self.layout = layout
         #: What happens to a finished block (default: written to the output); ``copies=False`` assembles everything.
-        self.sink = sink or (lambda block, data: self.output.write(block.file, block.offset, memoryview(data)))
+        self.sink = sink or self._write_out
         self.allow_copies = copies
         self.part = part
         self.sources = sources
@@ -78,6 +79,10 @@ class ExchangeWriter:
         self.error: BaseException | None = None
         self.written = 0
         self.sent = 0
+
+    def _write_out(self, block: Block, data: np.ndarray) -> None:
+        assert self.output is not None
+        self.output.write(block.file, block.offset, data.data)
 
     def _guard(self, action: Callable[[], None]) -> None:
         """Run an I/O action unless an earlier one failed; remember the first failure."""
@@ -161,7 +166,7 @@ class ExchangeWriter:
         while self.in_flight:
             self.in_flight.popleft()[0].wait()
         for copy in copies:
-            self._guard(lambda c=copy: self._copy(c))
+            self._guard(functools.partial(self._copy, copy))
         if self.error is not None:
             raise self.error
         return self.written
@@ -180,8 +185,8 @@ class ExchangeWriter:
         buffer = self.outbox[slot][:total]
         position = 0
         for file, src, length in zip(reads["file"].tolist(), reads["src"].tolist(), reads["length"].tolist()):
-            target = memoryview(buffer[position : position + length])
-            self._guard(lambda f=file, s=src, t=target: self.sources.read_into(f, s, t))
+            target = buffer[position : position + length].data
+            self._guard(functools.partial(self.sources.read_into, file, src, target))
             position += length
         self.in_flight.append((self.comm.isend(buffer, int(reads["writer"][0]), TAG), slot))
         self.sent += total

@@ -536,7 +536,7 @@ def _make_directories(path: str) -> list[str]:
             raise InputError(f"{probe}: is not a directory, so the output directory {path} cannot be made there")
         missing.append(probe)
         probe = os.path.dirname(probe)
-    created = []
+    created: list[str] = []
     for directory in reversed(missing):
         try:
             os.mkdir(directory)

@@ -196,7 +196,7 @@ def _bounce_copy(
     length: int,
     bounce: np.ndarray,
 ) -> None:
-    view = memoryview(bounce)
+    view = bounce.data
     for start in range(0, length, len(view)):
         chunk = view[: min(len(view), length - start)]
         sources.read_into(src, src_offset + start, chunk)

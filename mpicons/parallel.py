@@ -57,11 +57,14 @@ def agree(comm: Comm, fn: Callable[[], T], *, gather: bool = False, root: int | 
     - ``root=r``: only rank ``r``'s value counts and is broadcast (one bcast); other
       ranks still call ``fn`` so it should return None cheaply there.
     """
-    error, value = _outcome(fn)
+    outcome = _outcome(fn)
     if root is not None:
-        error, value = comm.bcast((error, value) if comm.rank == root else None, root=root)
-        _raise_first([error] if root == 0 else [None] * root + [error])
+        error, value = comm.bcast(outcome if comm.rank == root else (None, None), root=root)
+        errors: list[tuple[str, str] | None] = [None] * root
+        errors.append(error)
+        _raise_first(errors)
         return value
+    error, value = outcome
     if gather:
         outcomes = comm.allgather((error, value))
         _raise_first([e for e, _ in outcomes])
@@ -72,7 +75,8 @@ def agree(comm: Comm, fn: Callable[[], T], *, gather: bool = False, root: int | 
 
 def agree_on(comm: Comm, rank: int, fn: Callable[[], T]) -> T:
     """Run ``fn`` on ``rank`` only and broadcast its outcome: its value, or its error on every rank."""
-    return agree(comm, lambda: fn() if comm.rank == rank else None, root=rank)  # type: ignore[no-any-return]
+    result: T = agree(comm, lambda: fn() if comm.rank == rank else None, root=rank)
+    return result
 
 
 def wait_for_all(comm: Comm, poll: float = 0.002) -> None:

@@ -269,7 +269,7 @@ def set_odd(facts: TensorFacts, odd: Sequence[np.ndarray]) -> None:
 # ---------------------------------------------------------------- mapping
 
 
-class FileMapping(dict):  # type: ignore[type-arg]  # dict[str, str]
+class FileMapping(dict[str, str]):
     """A parsed mapping that remembers where it came from, so the plan's errors about it name the file."""
 
     def __init__(self, items: Mapping[str, str], source: str) -> None:
@@ -679,8 +679,8 @@ class Part:
     start: np.ndarray
     replicas: Replicas | None = None
     #: Per source file: pieces this rank counted (it owns their first row), and how many were repeats.
-    held: np.ndarray | None = None
-    repeated: np.ndarray | None = None
+    held: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    repeated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: Per source file: one repeated piece (tensor, offset, shape, original file) for the message.
     examples: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=dict)
 
@@ -699,7 +699,7 @@ def _first_identical(order: np.ndarray, columns: list[np.ndarray]) -> np.ndarray
     return np.flatnonzero(starts_group)[np.cumsum(starts_group) - 1]
 
 
-def _element_region(tensor: Tensor, low: Sequence[int], high: Sequence[int]) -> str:
+def _element_region(tensor: Tensor, low: Sequence[int] | np.ndarray, high: Sequence[int] | np.ndarray) -> str:
     """A storage-unit box as the element region messages show (sub-byte last dimension in elements)."""
     rank = max(1, len(tensor.shape))
     low, high = [int(x) for x in low[:rank]], [int(x) for x in high[:rank]]
@@ -753,7 +753,7 @@ def _repeats(
     files = received.file[order]
     held = np.bincount(files[primary], minlength=num_files).astype(np.int64)
     repeated = np.bincount(files[primary & repeat], minlength=num_files).astype(np.int64)
-    examples = {}
+    examples: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]] = {}
     if not repeat.any():
         return held, repeated, examples, None
     for i in np.flatnonzero(primary & repeat):
@@ -982,8 +982,8 @@ def build_plan(
     problem = copied_file_problem(
         layout,
         table.names,
-        sum(p.held for p in parts),
-        sum(p.repeated for p in parts),  # type: ignore[misc]
+        np.sum([p.held for p in parts], axis=0),
+        np.sum([p.repeated for p in parts], axis=0),
         {f: e for p in reversed(parts) for f, e in p.examples.items()},
     )
     if problem:

@@ -27,7 +27,7 @@ _REPLY = np.dtype([("row", "<i8"), ("digest", "u1", (32,))])
 def hash_ranges(sources: SourceFiles, requests: np.ndarray, buffer: np.ndarray) -> np.ndarray:
     """SHA-256 of each requested byte range, read in blocks of ``len(buffer)``."""
     replies = np.empty(len(requests), dtype=_REPLY)
-    view = memoryview(buffer)
+    view = buffer.data
     for i, (file, begin, nbytes) in enumerate(
         zip(requests["file"].tolist(), requests["begin"].tolist(), requests["nbytes"].tolist())
     ):

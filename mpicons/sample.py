@@ -14,6 +14,7 @@ import os
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
 import numpy as np
@@ -50,38 +51,25 @@ class SampleConfig:
         return self.dp * self.tp
 
     @classmethod
-    def moe(
-        cls, target_bytes: int, training_ranks: int = 64, layers: int = 24, hidden: int = 128, **kwargs: object
-    ) -> SampleConfig:
+    def moe(cls, target_bytes: int, training_ranks: int = 64, layers: int = 24, hidden: int = 128, **kwargs: Any) -> SampleConfig:
         """A mixture-of-experts shape of about ``target_bytes``: ``layers`` × (attention, norms, router,
         ``experts`` × gate/up/down of hidden × hidden, fp16), every tensor cut by rows over ``training_ranks``."""
         per_expert = 3 * hidden * hidden * 2
         experts = max(1, round((target_bytes / layers - 4 * hidden * hidden * 2) / per_expert))
-        return cls(
-            **{
-                "layers": layers,
-                "hidden": hidden,
-                "intermediate": hidden,
-                "kv_dim": hidden,
-                "experts": experts,
-                "dp": training_ranks,
-                "tp": 1,
-                "files": 1,
-                "dtype": "F16",
-                "vocab": hidden,
-                "kind": "moe",
-                **kwargs,
-            }
-        )  # type: ignore[arg-type]
+        fields: dict[str, Any] = {
+            "layers": layers, "hidden": hidden, "intermediate": hidden, "kv_dim": hidden, "experts": experts,
+            "dp": training_ranks, "tp": 1, "files": 1, "dtype": "F16", "vocab": hidden, "kind": "moe",
+        }  # fmt: skip
+        return cls(**{**fields, **kwargs})
 
     @classmethod
-    def sized(cls, target_bytes: int, **kwargs: object) -> SampleConfig:
+    def sized(cls, target_bytes: int, **kwargs: Any) -> SampleConfig:
         """A config whose checkpoint is roughly ``target_bytes`` (hidden size grown to fit)."""
-        base = cls(**kwargs)  # type: ignore[arg-type]
+        base = cls(**kwargs)
         per_layer_unit = 4 * base.hidden * base.hidden + 3 * base.hidden * base.intermediate
         factor = max(1.0, (target_bytes / 2 / max(1, base.layers * per_layer_unit)) ** 0.5)
         hidden = int(base.hidden * factor) // 8 * 8
-        return cls(**{**kwargs, "hidden": hidden, "intermediate": int(hidden * 8 / 3) // 8 * 8 + 8, "kv_dim": hidden // 4})  # type: ignore[arg-type]
+        return cls(**{**kwargs, "hidden": hidden, "intermediate": int(hidden * 8 / 3) // 8 * 8 + 8, "kv_dim": hidden // 4})
 
 
 def _chunk(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -145,8 +133,12 @@ def _placements(c: SampleConfig) -> dict[str, Callable[[tuple[int, ...], int, in
     }
 
 
-def _moe_specs(c: SampleConfig) -> list[tuple[str, str, tuple[int, ...], str, int]]:
-    specs = []
+#: (name, dtype, full shape, placement, output file index from 1)
+Spec = tuple[str, str, tuple[int, ...], str, int]
+
+
+def _moe_specs(c: SampleConfig) -> list[Spec]:
+    specs: list[Spec] = []
     for layer in range(c.layers):
         index = 1 + layer * c.files // c.layers
         p = f"model.layers.{layer}."
@@ -165,11 +157,11 @@ def _moe_specs(c: SampleConfig) -> list[tuple[str, str, tuple[int, ...], str, in
     return specs
 
 
-def tensor_specs(c: SampleConfig) -> list[tuple[str, str, tuple[int, ...], str, int]]:
+def tensor_specs(c: SampleConfig) -> list[Spec]:
     """(name, dtype, full shape, placement, output file index from 1) for every tensor of the sample."""
     if c.kind == "moe":
         return _moe_specs(c)
-    specs = [("model.embed_tokens.weight", c.dtype, (c.vocab, c.hidden), "all_rows", 1)]
+    specs: list[Spec] = [("model.embed_tokens.weight", c.dtype, (c.vocab, c.hidden), "all_rows", 1)]
     for layer in range(c.layers):
         index = 1 + layer * c.files // c.layers
         p = f"model.layers.{layer}."
@@ -288,7 +280,7 @@ def check_sample(output_dir: str | os.PathLike[str], config: SampleConfig, comm:
     """Compare every tensor of a consolidated sample with its generated full value (split over ``comm``);
     returns how many tensors were compared, or raises InputError naming the first that differs."""
     from .errors import InputError
-    from .format import read_header
+    from .format import Header, read_header
 
     specs = tensor_specs(config)
     directory = os.fspath(output_dir)
@@ -297,15 +289,15 @@ def check_sample(output_dir: str | os.PathLike[str], config: SampleConfig, comm:
     def work() -> None:
         with open(os.path.join(directory, "model.safetensors.index.json"), encoding="utf-8") as handle:
             weight_map = json.load(handle)["weight_map"]
-        headers: dict[str, object] = {}
+        headers: dict[str, Header] = {}
         for name, dtype, shape, _, _ in specs[comm.rank :: comm.size]:
             path = os.path.join(directory, weight_map[name])
             header = headers.get(path) or headers.setdefault(path, read_header(path))
-            entry = next(e for e in header.tensors if e.name == name)  # type: ignore[attr-defined]
+            entry = next(e for e in header.tensors if e.name == name)
             if entry.dtype != dtype or entry.shape != tuple(shape):
                 raise InputError(f"{path}: tensor {name!r} is {entry.dtype}{list(entry.shape)}, expected {dtype}{list(shape)}")
             with open(path, "rb") as handle:
-                handle.seek(header.data_start + entry.begin)  # type: ignore[attr-defined]
+                handle.seek(header.data_start + entry.begin)
                 data = handle.read(entry.end - entry.begin)
             if data != np.ascontiguousarray(full_tensor(config, name, dtype, shape)).tobytes():
                 raise InputError(f"{path}: tensor {name!r} differs from the sample's value")

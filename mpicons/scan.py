@@ -224,7 +224,7 @@ def distribute(comm: Comm, scanned: Scanned, layout: Layout, problems: Problems 
     collect = problems is not None and not problems.strict
     local = Problems(strict=False)
     part = agree(comm, lambda: build_part(layout, comm.rank, received, owners, local))
-    held, repeated = part.held.copy(), part.repeated.copy()  # type: ignore[union-attr]
+    held, repeated = part.held.copy(), part.repeated.copy()
     comm.allreduce_array(held, "sum")
     comm.allreduce_array(repeated, "sum")
     copies = np.flatnonzero((held > 0) & (repeated == held))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from .errors import WriteError
 
@@ -54,7 +54,7 @@ class HandleCache(Generic[H]):
 class CachedHandles:
     """Something that keeps its handles in a :class:`HandleCache` (and lets its user hook ``before_close``)."""
 
-    _cache: HandleCache  # type: ignore[type-arg]
+    _cache: HandleCache[Any]
 
     @property
     def before_close(self) -> Callable[[], None]:

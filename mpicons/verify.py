@@ -384,7 +384,7 @@ class _Checker:
                 last += 1
                 size += places[last][2]
             start = sum(p[2] for p in places[:position])
-            self.outputs.read_into(file, offset, memoryview(got[start : start + size]))
+            self.outputs.read_into(file, offset, got[start : start + size].data)
             position = last + 1
         if np.array_equal(got, expected):
             return

@@ -130,7 +130,7 @@ class Writer:
                 data = self.assembler.assemble(block, buffer, runs)
                 if self.background.pool is not None:
                     self.output.open(block.file)
-                self.busy[self.slot] = self.background.submit(self.output.write, block.file, block.offset, memoryview(data))
+                self.busy[self.slot] = self.background.submit(self.output.write, block.file, block.offset, data.data)
                 self.on_bytes(block.size)
                 self.written += block.size
 
