@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,9 +24,9 @@ from .errors import InputError
 from .options import Options
 from .parallel import agree, agree_on
 from .plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, build_layout, natural_key
+from .reports import Problem, human_bytes
+from .reports import count_of as _count
 from .scan import distribute, scan
-from .stats import count_of as _count
-from .stats import human_bytes
 from .table import ShardFiles, missing_shards
 
 #: Width the table output is laid out for.
@@ -91,17 +91,6 @@ class RankInfo:
     bytes: int
     files: tuple[str, ...]
     work: tuple[tuple[str, int, int, int], ...]
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Something that stops consolidation; ``tensor`` is None for checkpoint-wide problems."""
-
-    tensor: str | None
-    what: str
-
-    def __str__(self) -> str:
-        return self.what
 
 
 @dataclass
@@ -184,7 +173,7 @@ class InspectReport:
                 for r in self.per_rank
             ],
             "shards": [dataclasses.asdict(s) for s in self.shards],
-            "problems": [dataclasses.asdict(p) for p in self.problems],
+            "problems": [p.to_dict() for p in self.problems],
             "notes": list(self.notes),
         }
 
@@ -316,9 +305,9 @@ def describe(
             work = tuple((layout.tensors[i.tensor].name, i.row_begin, i.row_end, layout.item_bytes(i)) for i in items)
             touched = sorted({layout.tensors[i.tensor].file for i in items})
             per_rank.append(RankInfo(rank, sum(w[3] for w in work), tuple(layout.files[f].name for f in touched), work))
-    listed = [Problem(None, message) for message in problems.general]
+    listed = [Problem(message) for message in problems.general]
     listed += [
-        Problem(layout.tensors[t].name, problems.by_tensor[t])
+        Problem(problems.by_tensor[t], layout.tensors[t].name)
         for t in sorted(problems.by_tensor, key=lambda t: natural_key(layout.tensors[t].name))
     ]
     tensors.sort(key=lambda info: natural_key(info.name))
@@ -405,7 +394,7 @@ def _more(total: int, shown: int, noun: str) -> list[str]:
     return [f"... and {_count(total - shown, 'more ' + noun)}"] if shown < total else []
 
 
-def _render(report: InspectReport, limit: int) -> list[str]:
+def _summary(report: InspectReport) -> list[str]:
     out = [f"mpicons inspect: {report.input_dir}"]
     training = report.training_ranks
     trained = f" from {_count(len(training), 'training rank')}" if training else ""
@@ -425,68 +414,94 @@ def _render(report: InspectReport, limit: int) -> list[str]:
     if report.mapping is not None:
         out.append(f"  mapping  {report.mapping}")
     out.append("  status   " + ("OK" if report.ok else f"{_count(len(report.problems), 'problem')} (listed at the end)"))
-
-    file_number = {f.name: i + 1 for i, f in enumerate(report.files)}
-    out.append("")
-    title, shown = _section("output files", len(report.files), limit)
-    out.append(title)
-    rows = [
-        [str(i + 1), f.name, str(f.tensors), _size(f.tensor_bytes), _size(f.size)] for i, f in enumerate(report.files[:shown])
-    ]
-    out += _grid(["#", "file", "tensors", "tensor bytes", "file size"], rows, {0, 2, 3, 4}, 1)
-    out += _more(len(report.files), shown, "file")
-
-    if report.per_rank:
-        out.append("")
-        title, shown = _section(f"work per rank (split by {report.split})", len(report.per_rank), limit)
-        out.append(title)
-        total = report.total_bytes or 1
-        rows = []
-        for r in report.per_rank[:shown]:
-            first = f"{r.work[0][0]}[{r.work[0][1]}:{r.work[0][2]}]" if r.work else "-"
-            numbers = sorted(file_number[name] for name in r.files)
-            rows.append(
-                [str(r.rank), _size(r.bytes), f"{100 * r.bytes / total:.1f}%", str(len(r.work)), _ranges(numbers) or "-", first]
-            )
-        out += _grid(["rank", "bytes", "share", "items", "files", "starts at (rows)"], rows, {0, 1, 2, 3}, 5)
-        out += _more(len(report.per_rank), shown, "rank")
-
-    out.append("")
-    title, shown = _section("tensors", len(report.tensors), limit)
-    out.append(title)
-    rows = [
-        [t.name, t.dtype, _shape(t.shape), str(t.pieces), str(file_number.get(t.file, "?")), _size(t.bytes), t.status]
-        for t in report.tensors[:shown]
-    ]
-    out += _grid(["tensor", "dtype", "shape", "pieces", "file", "bytes", "status"], rows, {3, 4, 5}, 0)
-    out += _more(len(report.tensors), shown, "tensor")
-
-    out.append("")
-    title, shown = _section("shard files", len(report.shards), limit)
-    out.append(title)
-    rows = [
-        [
-            s.name,
-            "-" if s.training_rank is None else str(s.training_rank),
-            "-" if s.output_index is None else str(s.output_index),
-            str(s.pieces),
-            _size(s.size),
-        ]
-        for s in report.shards[:shown]
-    ]
-    out += _grid(["shard file", "training rank", "output #", "pieces", "size"], rows, {1, 2, 3, 4}, 0)
-    out += _more(len(report.shards), shown, "shard file")
-
-    if report.notes:
-        out.append("")
-        out += [f"note: {note}" for note in report.notes]
-    if report.problems:
-        out.append("")
-        title, shown = _section("problems", len(report.problems), limit)
-        out.append(title)
-        out += [f"  {p}" for p in report.problems[:shown]]
-        out += _more(len(report.problems), shown, "problem")
     return out
 
 
-__all__ = ["inspect", "describe", "InspectReport", "TensorInfo", "FileInfo", "RankInfo", "ShardInfo", "Problem"]
+def _table(
+    title: str, total: int, limit: int, noun: str, headers: list[str], right: set[int], flex: int, row: Callable[[int], list[str]]
+) -> list[str]:
+    """A titled list of at most ``limit`` rows (0: all) and a line saying how many more there are."""
+    heading, shown = _section(title, total, limit)
+    return ["", heading, *_grid(headers, [row(i) for i in range(shown)], right, flex), *_more(total, shown, noun)]
+
+
+def _render(report: InspectReport, limit: int) -> list[str]:
+    out = _summary(report)
+    file_number = {f.name: i + 1 for i, f in enumerate(report.files)}
+    files, ranks, tensors, shards = report.files, report.per_rank, report.tensors, report.shards
+    total = report.total_bytes or 1
+
+    def rank_row(i: int) -> list[str]:
+        r = ranks[i]
+        first = f"{r.work[0][0]}[{r.work[0][1]}:{r.work[0][2]}]" if r.work else "-"
+        numbers = sorted(file_number[name] for name in r.files)
+        return [str(r.rank), _size(r.bytes), f"{100 * r.bytes / total:.1f}%", str(len(r.work)), _ranges(numbers) or "-", first]
+
+    out += _table(
+        "output files",
+        len(files),
+        limit,
+        "file",
+        ["#", "file", "tensors", "tensor bytes", "file size"],
+        {0, 2, 3, 4},
+        1,
+        lambda i: [str(i + 1), files[i].name, str(files[i].tensors), _size(files[i].tensor_bytes), _size(files[i].size)],
+    )
+    if ranks:
+        out += _table(
+            f"work per rank (split by {report.split})",
+            len(ranks),
+            limit,
+            "rank",
+            ["rank", "bytes", "share", "items", "files", "starts at (rows)"],
+            {0, 1, 2, 3},
+            5,
+            rank_row,
+        )
+    out += _table(
+        "tensors",
+        len(tensors),
+        limit,
+        "tensor",
+        ["tensor", "dtype", "shape", "pieces", "file", "bytes", "status"],
+        {3, 4, 5},
+        0,
+        lambda i: [
+            tensors[i].name,
+            tensors[i].dtype,
+            _shape(tensors[i].shape),
+            str(tensors[i].pieces),
+            str(file_number.get(tensors[i].file, "?")),
+            _size(tensors[i].bytes),
+            tensors[i].status,
+        ],
+    )
+    out += _table(
+        "shard files",
+        len(shards),
+        limit,
+        "shard file",
+        ["shard file", "training rank", "output #", "pieces", "size"],
+        {1, 2, 3, 4},
+        0,
+        lambda i: [
+            shards[i].name,
+            _dash(shards[i].training_rank),
+            _dash(shards[i].output_index),
+            str(shards[i].pieces),
+            _size(shards[i].size),
+        ],
+    )
+    if report.notes:
+        out += ["", *(f"note: {note}" for note in report.notes)]
+    if report.problems:
+        heading, shown = _section("problems", len(report.problems), limit)
+        out += ["", heading, *(f"  {p}" for p in report.problems[:shown]), *_more(len(report.problems), shown, "problem")]
+    return out
+
+
+def _dash(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+__all__ = ["inspect", "describe", "InspectReport", "TensorInfo", "FileInfo", "RankInfo", "ShardInfo"]

@@ -7,7 +7,7 @@ import resource
 import socket
 
 from .errors import InputError
-from .stats import human_bytes
+from .reports import human_bytes
 
 
 def host_name() -> str:

@@ -362,13 +362,14 @@ class Transaction:
             new, aside = list(obj["new"]), list(obj["aside"])
         except (ValueError, TypeError, KeyError):
             return None
-        if not new or not all(_plain(n) for n in new + aside):
+        if not new or not all(plain_file_name(n) for n in new + aside):
             return None
         return cls(directory, staging, new, aside)
 
 
-def _plain(name: object) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+def plain_file_name(name: object) -> bool:
+    """A file name that stays inside its directory: not empty, not ``.``/``..``, no separators or NUL."""
+    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 def recover(directory: str) -> list[str]:
@@ -522,7 +523,7 @@ def _indexed_files(directory: str) -> set[str]:
         return set()
     if not isinstance(weight_map, dict):
         return set()
-    return {n for n in weight_map.values() if _plain(n) and not n.startswith(".")}
+    return {n for n in weight_map.values() if plain_file_name(n) and not n.startswith(".")}
 
 
 def _make_directories(path: str) -> list[str]:

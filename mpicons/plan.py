@@ -26,6 +26,7 @@ import numpy as np
 from .convert import converted_dtype
 from .errors import InputError
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
+from .outdir import plain_file_name
 from .table import Pieces, ShardFiles, Table, missing_shards, shard_file_name  # noqa: F401 - re-exported
 
 #: What Hugging Face ``save_pretrained`` writes; transformers refuses files without it.
@@ -275,11 +276,6 @@ class FileMapping(dict[str, str]):
     def __init__(self, items: Mapping[str, str], source: str) -> None:
         super().__init__(items)
         self.source = source
-
-
-def plain_file_name(name: object) -> bool:
-    """A file name that stays inside its directory: not empty, not ``.``/``..``, no separators or NUL."""
-    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 def parse_mapping(obj: object, source: str = "mapping") -> dict[str, str]:

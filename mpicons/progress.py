@@ -21,7 +21,7 @@ from typing import TextIO
 import numpy as np
 
 from .comm import Communicator, Request
-from .stats import human_bytes
+from .reports import human_bytes
 
 TAG = 17
 

@@ -23,6 +23,7 @@ from .comm import as_communicator
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, build_header
 from .parallel import agree
 from .plan import output_name
+from .table import shard_file_name
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
 
@@ -205,10 +206,6 @@ def full_tensor(c: SampleConfig, name: str, dtype: str, shape: tuple[int, ...]) 
     return values.reshape(shape)
 
 
-def shard_name(train_rank: int, index: int, count: int) -> str:
-    return f"shard-{train_rank + 1:05d}-model-{index:05d}-of-{count:05d}.safetensors"
-
-
 def _write_shard(path: str, pieces: list[tuple[str, str, np.ndarray, tuple[int, ...]]]) -> None:
     """One DCP shard file as torch writes it (through safetensors' serializer): tensors in the
     reference order (dtype alignment, then name), sharding info in the metadata."""
@@ -262,7 +259,7 @@ def write_sample(
         for index in range(1 + rank, c.files + 1, size):
             for train_rank, pieces in _pieces_of_file(c, index, keep or (lambda name, dtype: True)):
                 if pieces:
-                    _write_shard(os.path.join(directory, shard_name(train_rank, index, c.files)), pieces)
+                    _write_shard(os.path.join(directory, shard_file_name(train_rank + 1, index, c.files)), pieces)
 
     if comm is None:
         work()

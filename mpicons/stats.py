@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .comm import Communicator
+from .reports import human_bytes
 
 PHASES = ("scan", "plan", "write", "finalize")
 
@@ -87,19 +88,6 @@ class Stats:
             f"bytes/rank max/mean {self.imbalance:.2f}; peak RSS/rank max {self.peak_rss_mb.max:.0f} MB"
         )
         return "\n".join(lines)
-
-
-def human_bytes(count: float) -> str:
-    """Decimal units, as storage vendors and Hugging Face count them."""
-    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if count >= scale:
-            return f"{count / scale:.2f} {unit}"
-    return f"{int(count)} B"
-
-
-def count_of(n: int, noun: str) -> str:
-    """``1 file``, ``3 files``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def peak_rss_mb() -> float:

@@ -23,13 +23,13 @@ from .engine import Assembler, Block, Segment, block_budget, blocks, segment_byt
 from .errors import InputError, MpiconsError
 from .exchange import ExchangeWriter
 from .format import DTYPE_BY_NAME, Header, read_header
-from .outdir import LOCK_NAME, STAGING_PREFIX, Holder
-from .parallel import Comm, agree
+from .outdir import LOCK_NAME, STAGING_PREFIX, Holder, plain_file_name
+from .parallel import Comm, agree, agree_on
 from .plan import INDEX_NAME, OUTPUT_METADATA, Layout, Part, build_layout
+from .reports import Problem, human_bytes
+from .reports import count_of as _count
 from .scan import Scanned, distribute, scan
 from .sources import SourceFiles
-from .stats import count_of as _count
-from .stats import human_bytes
 from .table import DCP_SHARD_NAME
 
 #: Smallest comparison buffer half: must hold one storage unit (≤ 8 bytes); tiny values are for tests.
@@ -58,21 +58,9 @@ def tensor_bytes(path: str, header: Header, name: str) -> bytes:
 # ---------------------------------------------------------------- report
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One thing wrong with the checkpoint: the file (or index) it is in, the tensor if any, and what."""
-
-    path: str
-    tensor: str | None
-    what: str
-
-    def __str__(self) -> str:
-        if self.tensor is None:
-            return f"{self.path}: {self.what}"
-        return f"{self.path}: tensor {self.tensor!r}: {self.what}"
-
-    def to_dict(self) -> dict[str, object]:
-        return {"path": self.path, "tensor": self.tensor, "what": self.what}
+def _problem(path: str, tensor: str | None, what: str) -> Problem:
+    """A problem found in a file of the checkpoint (or its index)."""
+    return Problem(what, tensor, path)
 
 
 @dataclass
@@ -160,10 +148,6 @@ class _Located:
     nbytes: int
 
 
-def _plain_file_name(name: object) -> bool:
-    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
-
-
 def _list_output(output_dir: str) -> _Listing:
     """Rank 0: the directory's safetensors and partial files, and the index, parsed leniently."""
     if not os.path.isdir(output_dir):
@@ -182,7 +166,7 @@ def _list_output(output_dir: str) -> _Listing:
             f"holds {_count(len(shards), 'DCP shard file')} (shard-*-model-*.safetensors), not a consolidated "
             f"checkpoint; to check a consolidation of it: mpicons verify OUTPUT_DIR --against {output_dir}"
         )
-        return _Listing([], [], None, None, [], [], [Problem(output_dir, None, what)], sharded=True)
+        return _Listing([], [], None, None, [], [], [_problem(output_dir, None, what)], sharded=True)
     lock = os.path.join(output_dir, LOCK_NAME)
     if os.path.lexists(lock):
         try:
@@ -191,34 +175,34 @@ def _list_output(output_dir: str) -> _Listing:
         except OSError:
             holder = None
         who = holder.describe() if holder else "an unknown run"
-        problems.append(Problem(lock, None, f"a consolidation holds this directory ({who}): its content may be changing"))
+        problems.append(_problem(lock, None, f"a consolidation holds this directory ({who}): its content may be changing"))
     weight_map: dict[str, str] | None = None
     total_size: int | None = None
     obj: object = None
     if not os.path.lexists(index_path):
-        problems.append(Problem(index_path, None, "index is missing (the checkpoint is incomplete)"))
+        problems.append(_problem(index_path, None, "index is missing (the checkpoint is incomplete)"))
     else:
         try:
             obj = read_index(output_dir)
         except InputError as exc:
-            problems.append(Problem(index_path, None, _strip_path(str(exc), index_path)))
+            problems.append(_problem(index_path, None, _strip_path(str(exc), index_path)))
     if obj is not None:
         raw_map = obj.get("weight_map") if isinstance(obj, dict) else None
         if not isinstance(raw_map, dict):
-            problems.append(Problem(index_path, None, "index has no weight_map object"))
+            problems.append(_problem(index_path, None, "index has no weight_map object"))
         else:
             weight_map = {}
             for tensor, file_name in raw_map.items():
-                if _plain_file_name(file_name):
+                if plain_file_name(file_name):
                     weight_map[tensor] = file_name
                 else:
-                    problems.append(Problem(index_path, tensor, f"weight_map value {file_name!r} is not a plain file name"))
+                    problems.append(_problem(index_path, tensor, f"weight_map value {file_name!r} is not a plain file name"))
         metadata = obj.get("metadata") if isinstance(obj, dict) else None
         size = metadata.get("total_size") if isinstance(metadata, dict) else None
         if type(size) is int:
             total_size = size
         else:
-            problems.append(Problem(index_path, None, f"index has no integer metadata.total_size (got {size!r})"))
+            problems.append(_problem(index_path, None, f"index has no integer metadata.total_size (got {size!r})"))
     listed = sorted(set(weight_map.values())) if weight_map else []
     existing = [n for n in listed if os.path.isfile(os.path.join(output_dir, n))]
     missing = [n for n in listed if n not in set(existing)]
@@ -241,10 +225,10 @@ def _header_problem(path: str, message: str) -> Problem:
     match = _TENSOR_PREFIX.match(what)
     if match:
         try:
-            return Problem(path, ast.literal_eval(match.group(1)), match.group(2))
+            return _problem(path, ast.literal_eval(match.group(1)), match.group(2))
         except (ValueError, SyntaxError):
             pass
-    return Problem(path, None, what)
+    return _problem(path, None, what)
 
 
 def _check_file(output_dir: str, name: str) -> _FileResult:
@@ -255,13 +239,13 @@ def _check_file(output_dir: str, name: str) -> _FileResult:
     except InputError as exc:
         return _FileResult(name, None, 0, [_header_problem(path, str(exc))])
     except OSError as exc:
-        return _FileResult(name, None, 0, [Problem(path, None, f"cannot read ({exc.strerror})")])
+        return _FileResult(name, None, 0, [_problem(path, None, f"cannot read ({exc.strerror})")])
     problems = []
     expected = OUTPUT_METADATA["format"]
     got = header.metadata.get("format")
     if got != expected:
         what = "has no __metadata__ 'format'" if got is None else f"__metadata__ 'format' is {got!r}"
-        problems.append(Problem(path, None, f"{what}; Hugging Face checkpoints need {expected!r}"))
+        problems.append(_problem(path, None, f"{what}; Hugging Face checkpoints need {expected!r}"))
     tensors = [(e.name, e.dtype, e.shape, e.begin, e.end) for e in header.tensors]
     return _FileResult(name, tensors, header.data_start, problems)
 
@@ -278,12 +262,12 @@ def _cross_check(output_dir: str, listing: _Listing, results: list[_FileResult])
         for tensor, dtype, shape, begin, end in result.tensors or ():
             if tensor in located:
                 problems.append(
-                    Problem(join(result.name), tensor, f"also in {located[tensor].file}; a tensor must be in one file")
+                    _problem(join(result.name), tensor, f"also in {located[tensor].file}; a tensor must be in one file")
                 )
                 continue
             located[tensor] = _Located(result.name, dtype, shape, result.data_start + begin, end - begin)
     problems += [
-        Problem(
+        _problem(
             join(n),
             None,
             "left by an interrupted consolidation; the next 'mpicons consolidate' into this directory finishes or undoes it",
@@ -296,9 +280,9 @@ def _cross_check(output_dir: str, listing: _Listing, results: list[_FileResult])
     counts: dict[str, int] = {}
     for file_name in weight_map.values():
         counts[file_name] = counts.get(file_name, 0) + 1
-    problems += [Problem(join(n), None, "not listed in the index (stray file)") for n in listing.found if n not in listed]
+    problems += [_problem(join(n), None, "not listed in the index (stray file)") for n in listing.found if n not in listed]
     problems += [
-        Problem(join(n), None, f"listed in the index for {_count(counts[n], 'tensor')} but missing")
+        _problem(join(n), None, f"listed in the index for {_count(counts[n], 'tensor')} but missing")
         for n in listing.listed_missing
     ]
     readable = {r.name for r in results if r.tensors is not None}
@@ -306,17 +290,17 @@ def _cross_check(output_dir: str, listing: _Listing, results: list[_FileResult])
         where = located.get(tensor)
         if where is None:
             if file_name in readable:
-                problems.append(Problem(index_path, tensor, f"weight_map names {file_name}, which does not hold the tensor"))
+                problems.append(_problem(index_path, tensor, f"weight_map names {file_name}, which does not hold the tensor"))
         elif where.file != file_name:
-            problems.append(Problem(index_path, tensor, f"weight_map names {file_name} but the tensor is in {where.file}"))
+            problems.append(_problem(index_path, tensor, f"weight_map names {file_name} but the tensor is in {where.file}"))
     for tensor, where in located.items():
         if tensor not in weight_map and where.file in listed:
-            problems.append(Problem(join(where.file), tensor, "not in the index's weight_map"))
+            problems.append(_problem(join(where.file), tensor, "not in the index's weight_map"))
     if listing.total_size is not None and listed <= readable:
         actual = sum(w.nbytes for w in located.values() if w.file in listed)
         if actual != listing.total_size:
             problems.append(
-                Problem(
+                _problem(
                     index_path,
                     None,
                     f"metadata.total_size is {listing.total_size} but the files hold {actual} bytes of tensor data",
@@ -483,11 +467,11 @@ def _against_checks(
         if where is None:
             if weight_map.get(info.name) not in unreadable:  # else its file's problem says it all
                 problems.append(
-                    Problem(output_dir, info.name, f"in the shards ({info.dtype}{list(info.shape)}) but in no output file")
+                    _problem(output_dir, info.name, f"in the shards ({info.dtype}{list(info.shape)}) but in no output file")
                 )
         elif (where.dtype, where.shape) != (info.dtype, info.shape):
             problems.append(
-                Problem(
+                _problem(
                     join(where.file),
                     info.name,
                     f"is {where.dtype}{list(where.shape)} but the shards hold {info.dtype}{list(info.shape)}",
@@ -497,10 +481,10 @@ def _against_checks(
             comparable.add(t)
     for tensor, where in located.items():
         if tensor not in names:
-            problems.append(Problem(join(where.file), tensor, f"not in the shards in {against}"))
+            problems.append(_problem(join(where.file), tensor, f"not in the shards in {against}"))
     hint = _dtype_hint(plan, located)
     if hint:
-        problems.append(Problem(output_dir, None, hint))
+        problems.append(_problem(output_dir, None, hint))
     return comparable, problems
 
 
@@ -534,13 +518,13 @@ def _diff_problems(plan: Layout, output_dir: str, located: dict[str, _Located], 
         diff, info = diffs[t], plan.tensors[t]
         path = os.path.join(output_dir, located[info.name].file)
         if diff.error:
-            problems.append(Problem(path, info.name, diff.error))
+            problems.append(_problem(path, info.name, diff.error))
         if diff.count:
             units = int(np.prod(info.storage, dtype=np.int64))
             noun = "elements" if info.unit * 8 == DTYPE_BY_NAME[info.dtype].bits else "bytes"
             index = _element_index(diff.first, info.dtype, len(info.shape))  # type: ignore[arg-type]
             problems.append(
-                Problem(
+                _problem(
                     path,
                     info.name,
                     f"differs from the shards in {diff.count} of {units} {noun}; first at {index} "
@@ -572,7 +556,7 @@ def verify(
     output_dir = os.fspath(output_dir)
     against = None if against is None else os.fspath(against)
     check_buffer_fits(comm, buffer_size)
-    listing: _Listing = agree(comm, lambda: _list_output(output_dir) if comm.rank == 0 else None, root=0)
+    listing: _Listing = agree_on(comm, 0, lambda: _list_output(output_dir))
     if listing.sharded:
         return VerifyReport(output_dir, against, comm.size, [], 0, 0, problems=list(listing.problems))
     files = sorted(set(listing.found) | set(listing.listed_existing))
@@ -611,4 +595,4 @@ def verify(
     return report
 
 
-__all__ = ["verify", "VerifyReport", "Problem", "read_index", "tensor_bytes"]
+__all__ = ["verify", "VerifyReport", "read_index", "tensor_bytes"]
