@@ -19,7 +19,7 @@ from .options import DEFAULT_BUFFER_SIZE, FORMATS, Options
 from .outdir import OutputDir
 from .outputs import OutputBackend, open_output
 from .parallel import Comm, agree, agree_on, wait_for_all
-from .plan import INDEX_NAME, Layout, Part, build_layout, parse_mapping
+from .plan import INDEX_NAME, Layout, Part, Problems, build_layout, parse_mapping
 from .progress import Progress
 from .replicas import check_replicas
 from .scan import Scanned, distribute, rank_directory, scan
@@ -102,21 +102,19 @@ def check_buffer_fits(comm: Comm, buffer_size: int) -> None:
     agree(comm, lambda: check_buffer_size(buffer_size, hosts.count(hosts[comm.rank])))
 
 
+def layout_of(
+    scanned: Scanned, ranks: int, options: Options, mapping: dict[str, str] | None, problems: Problems | None = None
+) -> Layout:
+    """The layout of what the scan found, for ``ranks`` writers and these options (pure)."""
+    return build_layout(
+        scanned.files, scanned.names, scanned.facts, ranks, mapping=mapping, split=options.split, dtype=options.dtype,
+        max_shard_size=options.max_shard_size, problems=problems,
+    )  # fmt: skip
+
+
 def plan_job(comm: Comm, scanned: Scanned, options: Options, mapping: dict[str, str] | None) -> tuple[Layout, Part]:
     """The layout (the same on every rank) and this rank's checked part of the pieces."""
-    layout = agree(
-        comm,
-        lambda: build_layout(
-            scanned.files,
-            scanned.names,
-            scanned.facts,
-            comm.size,
-            mapping=mapping,
-            split=options.split,
-            dtype=options.dtype,
-            max_shard_size=options.max_shard_size,
-        ),
-    )
+    layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping))
     agree(comm, lambda: output_format(options.output_format).check(layout))
     if options.gather_to is not None:
         everything = [item for items in layout.work for item in items]

@@ -340,6 +340,11 @@ def _runs(
     for d in range(width - 2, -1, -1):
         piece_step[:, d] = piece_step[:, d + 1] * shape[:, d + 1]
         full_step[:, d] = full_step[:, d + 1] * storage[:, d + 1]
+
+    def runs_at(which: np.ndarray, src_units: np.ndarray, dst_units: np.ndarray, length_units: np.ndarray) -> Runs:
+        u = unit[which]
+        return Runs(file[which], begin[which] + src_units * u, base[which] + dst_units * u, length_units * u, holder[which])
+
     out = []
     for k in np.unique(innermost):
         rows = np.flatnonzero(innermost == k)
@@ -347,16 +352,7 @@ def _runs(
         if k == 0:  # the piece spans every trailing dimension: its rows are one run
             src_units = (low[rows] - offset[rows, 0]) * piece_step[rows, 0]
             dst_units = (low[rows] - seg_low[rows]) * full_step[rows, 0]
-            u = unit[rows]
-            out.append(
-                Runs(
-                    file[rows],
-                    begin[rows] + src_units * u,
-                    base[rows] + dst_units * u,
-                    (high[rows] - low[rows]) * full_step[rows, 0] * u,
-                    holder[rows],
-                )
-            )
+            out.append(runs_at(rows, src_units, dst_units, (high[rows] - low[rows]) * full_step[rows, 0]))
             continue
         count = (high[rows] - low[rows]) * np.prod(shape[rows, 1:k], axis=1)
         pair = np.repeat(rows, count)
@@ -371,16 +367,7 @@ def _runs(
         row = low[pair] + q
         src_units += (row - offset[pair, 0]) * piece_step[pair, 0]
         dst_units += (row - seg_low[pair]) * full_step[pair, 0]
-        u = unit[pair]
-        out.append(
-            Runs(
-                file[pair],
-                begin[pair] + src_units * u,
-                base[pair] + dst_units * u,
-                shape[pair, k] * full_step[pair, k] * u,
-                holder[pair],
-            )
-        )
+        out.append(runs_at(pair, src_units, dst_units, shape[pair, k] * full_step[pair, k]))
     return Runs.concat(out)
 
 

@@ -12,18 +12,18 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from .comm import as_communicator
-from .consolidation import load_mapping
+from .consolidation import layout_of, load_mapping
 from .errors import InputError
 from .options import Options
 from .parallel import agree, agree_on
-from .plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, build_layout, natural_key
+from .plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, natural_key
 from .reports import Problem, human_bytes
 from .reports import count_of as _count
 from .scan import distribute, scan
@@ -31,6 +31,9 @@ from .table import ShardFiles, missing_shards
 
 #: Width the table output is laid out for.
 WIDTH = 100
+
+
+_Row = TypeVar("_Row")
 
 
 @dataclass(frozen=True)
@@ -217,20 +220,7 @@ def inspect(
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
     scanned = scan(input_dir, comm)
     problems = Problems(strict=False)
-    layout = agree(
-        comm,
-        lambda: build_layout(
-            scanned.files,
-            scanned.names,
-            scanned.facts,
-            comm.size,
-            mapping=mapping,
-            split=options.split,
-            dtype=options.dtype,
-            max_shard_size=options.max_shard_size,
-            problems=problems,
-        ),
-    )
+    layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, problems))
     file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
     comm.allreduce_array(file_pieces, "sum")
     part = distribute(comm, scanned, layout, problems)
@@ -417,81 +407,48 @@ def _summary(report: InspectReport) -> list[str]:
     return out
 
 
-def _table(
-    title: str, total: int, limit: int, noun: str, headers: list[str], right: set[int], flex: int, row: Callable[[int], list[str]]
-) -> list[str]:
-    """A titled list of at most ``limit`` rows (0: all) and a line saying how many more there are."""
-    heading, shown = _section(title, total, limit)
-    return ["", heading, *_grid(headers, [row(i) for i in range(shown)], right, flex), *_more(total, shown, noun)]
+def _table(title: str, items: Sequence[_Row], limit: int, noun: str, columns: str, row: Callable[[_Row], list[str]]) -> list[str]:
+    """A titled list of at most ``limit`` rows (0: all) and a line saying how many more there are.
+
+    ``columns`` names the columns, separated by ``|``: a leading ``>`` right-aligns one, a leading
+    ``*`` makes it the column that wraps when the terminal is narrow.
+    """
+    names = columns.split("|")
+    headers = [name.lstrip(">*") for name in names]
+    right = {i for i, name in enumerate(names) if name.startswith(">")}
+    flex = next(i for i, name in enumerate(names) if name.startswith("*"))
+    heading, shown = _section(title, len(items), limit)
+    return ["", heading, *_grid(headers, [row(item) for item in items[:shown]], right, flex), *_more(len(items), shown, noun)]
 
 
 def _render(report: InspectReport, limit: int) -> list[str]:
     out = _summary(report)
     file_number = {f.name: i + 1 for i, f in enumerate(report.files)}
-    files, ranks, tensors, shards = report.files, report.per_rank, report.tensors, report.shards
     total = report.total_bytes or 1
 
-    def rank_row(i: int) -> list[str]:
-        r = ranks[i]
+    def rank_row(r: RankInfo) -> list[str]:
         first = f"{r.work[0][0]}[{r.work[0][1]}:{r.work[0][2]}]" if r.work else "-"
         numbers = sorted(file_number[name] for name in r.files)
         return [str(r.rank), _size(r.bytes), f"{100 * r.bytes / total:.1f}%", str(len(r.work)), _ranges(numbers) or "-", first]
 
-    out += _table(
-        "output files",
-        len(files),
-        limit,
-        "file",
-        ["#", "file", "tensors", "tensor bytes", "file size"],
-        {0, 2, 3, 4},
-        1,
-        lambda i: [str(i + 1), files[i].name, str(files[i].tensors), _size(files[i].tensor_bytes), _size(files[i].size)],
-    )
-    if ranks:
-        out += _table(
-            f"work per rank (split by {report.split})",
-            len(ranks),
-            limit,
-            "rank",
-            ["rank", "bytes", "share", "items", "files", "starts at (rows)"],
-            {0, 1, 2, 3},
-            5,
-            rank_row,
-        )
-    out += _table(
-        "tensors",
-        len(tensors),
-        limit,
-        "tensor",
-        ["tensor", "dtype", "shape", "pieces", "file", "bytes", "status"],
-        {3, 4, 5},
-        0,
-        lambda i: [
-            tensors[i].name,
-            tensors[i].dtype,
-            _shape(tensors[i].shape),
-            str(tensors[i].pieces),
-            str(file_number.get(tensors[i].file, "?")),
-            _size(tensors[i].bytes),
-            tensors[i].status,
-        ],
-    )
-    out += _table(
-        "shard files",
-        len(shards),
-        limit,
-        "shard file",
-        ["shard file", "training rank", "output #", "pieces", "size"],
-        {1, 2, 3, 4},
-        0,
-        lambda i: [
-            shards[i].name,
-            _dash(shards[i].training_rank),
-            _dash(shards[i].output_index),
-            str(shards[i].pieces),
-            _size(shards[i].size),
-        ],
-    )
+    def file_row(f: FileInfo) -> list[str]:
+        return [str(file_number[f.name]), f.name, str(f.tensors), _size(f.tensor_bytes), _size(f.size)]
+
+    def tensor_row(t: TensorInfo) -> list[str]:
+        number = str(file_number.get(t.file, "?"))
+        return [t.name, t.dtype, _shape(t.shape), str(t.pieces), number, _size(t.bytes), t.status]
+
+    def shard_row(s: ShardInfo) -> list[str]:
+        return [s.name, _dash(s.training_rank), _dash(s.output_index), str(s.pieces), _size(s.size)]
+
+    out += _table("output files", report.files, limit, "file", ">#|*file|>tensors|>tensor bytes|>file size", file_row)
+    if report.per_rank:
+        columns = ">rank|>bytes|>share|>items|files|*starts at (rows)"
+        out += _table(f"work per rank (split by {report.split})", report.per_rank, limit, "rank", columns, rank_row)
+    columns = "*tensor|dtype|shape|>pieces|>file|>bytes|status"
+    out += _table("tensors", report.tensors, limit, "tensor", columns, tensor_row)
+    columns = "*shard file|>training rank|>output #|>pieces|>size"
+    out += _table("shard files", report.shards, limit, "shard file", columns, shard_row)
     if report.notes:
         out += ["", *(f"note: {note}" for note in report.notes)]
     if report.problems:
