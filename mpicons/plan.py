@@ -312,6 +312,15 @@ def natural_key(name: str) -> list[tuple[int, int | str]]:
 # ---------------------------------------------------------------- the layout
 
 
+@dataclass(frozen=True)
+class Hole:
+    """A region of a tensor no piece covers, as one rank found it in its rows (storage units)."""
+
+    low: tuple[int, ...]
+    high: tuple[int, ...]
+    missing: int  # elements missing in the rows that rank checked
+
+
 class Problems:
     """Problems found while planning: raised at the first (``strict``) or collected (``inspect``)."""
 
@@ -319,14 +328,17 @@ class Problems:
         self.strict = strict
         self.general: list[str] = []  # checkpoint-wide
         self.by_tensor: dict[int, str] = {}
+        self.holes: dict[int, Hole] = {}  # the tensors whose problem is a hole, to merge over ranks
 
-    def add(self, message: str, tensor: int | None = None) -> None:
+    def add(self, message: str, tensor: int | None = None, hole: Hole | None = None) -> None:
         if self.strict:
             raise InputError(message)
         if tensor is None:
             self.general.append(message)
-        else:
-            self.by_tensor.setdefault(tensor, message)
+        elif tensor not in self.by_tensor:
+            self.by_tensor[tensor] = message
+            if hole is not None:
+                self.holes[tensor] = hole
 
     def __bool__(self) -> bool:
         return bool(self.general or self.by_tensor)
@@ -864,13 +876,11 @@ def _check_item(layout: Layout, part: Part, item: WorkItem, problems: Problems) 
     if expected == 0:
         return
     if len(offset) == 0:
-        problems.add(
-            f"{where}: no piece holds any data"
-            if whole
-            else f"{where}: hole: no piece covers region {_element_region(tensor, low_box, high_box)} "
-            f"({expected} elements missing {scope})",
-            item.tensor,
-        )
+        if whole:
+            problems.add(f"{where}: no piece holds any data", item.tensor)
+        else:
+            hole = Hole(tuple(low_box.tolist()), tuple(high_box.tolist()), expected)
+            problems.add(hole_message(tensor, hole, scope), item.tensor, hole)
         return
     cuts = [np.unique(np.concatenate(([low_box[d], high_box[d]], offset[:, d], end[:, d]))) for d in range(rank)]
     grid = [len(c) - 1 for c in cuts]
@@ -895,15 +905,51 @@ def _check_item(layout: Layout, part: Part, item: WorkItem, problems: Problems) 
     cell = bad[0]
     region = _element_region(tensor, [cuts[d][cell[d]] for d in range(rank)], [cuts[d][cell[d] + 1] for d in range(rank)])
     if counts[tuple(cell)] == 0:
-        missing = f" ({expected - covered} elements missing {scope})" if expected > covered else ""
-        problems.add(f"{where}: hole: no piece covers region {region}{missing}", item.tensor)
+        low = tuple(int(cuts[d][cell[d]]) for d in range(rank))
+        hole = Hole(low, tuple(int(cuts[d][cell[d] + 1]) for d in range(rank)), max(0, expected - covered))
+        problems.add(hole_message(tensor, hole, scope), item.tensor, hole)
         return
     holding = np.all((lo <= cell) & (cell < hi), axis=1)
+    # The region all holders share, whole: the same whatever rows this item (and so this job size) has.
+    shared_low = full_pieces.offset[holding, :rank].max(axis=0)
+    shared_high = (full_pieces.offset[holding, :rank] + full_pieces.shape[holding, :rank]).min(axis=0)
+    region = _element_region(tensor, shared_low, shared_high)
     holders = ", ".join(
         f"{layout.source_files[f]} at {_element_region(tensor, o, o + s)}"
         for f, o, s in zip(full_pieces.file[holding], full_pieces.offset[holding, :rank], full_pieces.shape[holding, :rank])
     )
     problems.add(f"{where}: overlap: region {region} is covered by {int(holding.sum())} pieces: {holders}", item.tensor)
+
+
+def hole_message(tensor: Tensor, hole: Hole, scope: str) -> str:
+    where = f"tensor {tensor.name!r} (shape {list(tensor.shape)})"
+    missing = f" ({hole.missing} elements missing {scope})" if hole.missing else ""
+    return f"{where}: hole: no piece covers region {_element_region(tensor, hole.low, hole.high)}{missing}"
+
+
+def merge_problems(layout: Layout, found: Sequence[tuple[dict[int, str], dict[int, Hole]]]) -> dict[int, str]:
+    """One message per tensor from every rank's findings (in rank order), the same whatever the job size.
+
+    A hole that crosses the rows of several ranks is found in pieces, one per rank: when each rank's
+    finding is a hole over the same columns and their rows meet, the message names the whole hole.
+    Otherwise the lowest rank's (the first rows') finding stands.
+    """
+    messages: dict[int, str] = {}
+    holes: dict[int, list[Hole | None]] = {}
+    for by_tensor, rank_holes in found:
+        for t, message in by_tensor.items():
+            messages.setdefault(t, message)
+            holes.setdefault(t, []).append(rank_holes.get(t))
+    for t, parts in holes.items():
+        if len(parts) < 2 or not all(parts):
+            continue
+        pieces = sorted((h for h in parts if h is not None), key=lambda h: h.low[0])
+        meet = zip(pieces, pieces[1:])
+        joined = all(a.high[0] == b.low[0] and (a.low[1:], a.high[1:]) == (b.low[1:], b.high[1:]) for a, b in meet)
+        if joined:  # every rank with a problem in this tensor found this hole: their counts add up to all that is missing
+            whole = Hole(pieces[0].low, (pieces[-1].high[0], *pieces[0].high[1:]), sum(h.missing for h in pieces))
+            messages[t] = hole_message(layout.tensors[t], whole, "overall")
+    return messages
 
 
 def _check_pairwise(

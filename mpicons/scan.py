@@ -32,6 +32,7 @@ from .plan import (
     copied_file_problem,
     local_facts,
     local_odd,
+    merge_problems,
     piece_destinations,
     set_odd,
 )
@@ -234,8 +235,7 @@ def distribute(comm: Comm, scanned: Scanned, layout: Layout, problems: Problems 
         for found in reversed(comm.allgather({f: e for f, e in part.examples.items() if f in set(copies.tolist())})):
             examples.update(found)
         copied = copied_file_problem(layout, scanned.names, held, repeated, examples)
-    found = comm.allgather(local.by_tensor)
-    by_tensor = {t: message for part_problems in found for t, message in part_problems.items()}
+    by_tensor = merge_problems(layout, comm.allgather((local.by_tensor, local.holes)))
     if copied or by_tensor:
         hint = _missing_hint(scanned.files.names)
         annotated = {t: m + (hint if ": hole" in m or ": overlap" in m else "") for t, m in sorted(by_tensor.items())}

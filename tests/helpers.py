@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 from safetensors import TensorSpec, deserialize, serialize
 
 FIXTURES = Path(__file__).parent / "fixtures" / "dcp"
@@ -100,17 +101,45 @@ def index_weight_map(mapping: dict[str, int]) -> dict[str, str]:
     return {name: f"model-{index:05d}-of-{count:05d}.safetensors" for name, index in mapping.items()}
 
 
+ROOT = Path(__file__).parent.parent
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a subprocess: this checkout importable, plus ``extra``."""
+    return {**os.environ, "PYTHONPATH": str(ROOT), **extra}
+
+
 def mpirun(ranks: int, args: list[str], timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
     """Run ``mpiexec -n ranks python ARGS`` with this checkout importable; returns the process and its seconds."""
     start = time.monotonic()
     proc = subprocess.run(
-        [MPIEXEC, "-n", str(ranks), sys.executable, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+        [MPIEXEC, "-n", str(ranks), sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=subprocess_env()
     )
     return proc, time.monotonic() - start
+
+
+def cli(ranks: int, *args: object, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
+    """Run the ``mpicons`` command line at ``ranks`` ranks."""
+    return mpirun(ranks, ["-m", "mpicons", *map(str, args)], timeout=timeout)
+
+
+def start(ranks: int, *args: object, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``mpiexec -n ranks python ARGS`` in its own session, to be signalled or waited for."""
+    return subprocess.Popen(
+        [MPIEXEC, "-n", str(ranks), sys.executable, *map(str, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env or subprocess_env(),
+        start_new_session=True,
+    )
+
+
+def run_python(*args: object, timeout: float = 60, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Run ``python ARGS`` without a launcher (a singleton MPI job)."""
+    return subprocess.run(
+        [sys.executable, *map(str, args)], capture_output=True, text=True, timeout=timeout, cwd=cwd, env=subprocess_env()
+    )
 
 
 def writing_started(out: Path) -> bool:
@@ -219,3 +248,8 @@ def _boxes(rng: np.random.Generator, shape: list[int], cut: str, ranks: int) -> 
     if cut == "tiny" and 0 < shape[0] <= ranks:  # one row per piece, each on its own rank: many small pieces
         return [(row, ([row] + [0] * (ndim - 1), [1] + shape[1:])) for row in range(shape[0])]
     return [(r, ([o] + [0] * (ndim - 1), [n] + shape[1:])) for r, (o, n) in enumerate(_chunks(shape[0], ranks))]
+
+
+def slow_beyond(values: list, fast: int) -> list:
+    """Parameters for ``parametrize``: the first ``fast`` run by default, the rest only in slow runs."""
+    return [value if i < fast else pytest.param(value, marks=pytest.mark.slow) for i, value in enumerate(values)]

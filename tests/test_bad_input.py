@@ -22,6 +22,7 @@ from helpers import FIXTURES, mpirun, reference_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mpicons.cli import main
 from mpicons.errors import InputError
 from mpicons.plan import build_plan
 from mpicons.table import read_table
@@ -395,9 +396,56 @@ def _reading_rank(inp: Path, name: str, ranks: int) -> int:
     return sorted(p.name for p in inp.iterdir() if p.name.endswith(".safetensors")).index(name) % ranks
 
 
+def _error_line(stderr: str, expect: Expect, rank: int) -> str:
+    """The single error line, checked against what the case expects."""
+    assert "Traceback" not in stderr and "internal error" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("mpicons: error:")]
+    assert len(errors) == 1, stderr
+    # An error one rank found names that rank; one every rank finds alike may name rank 0 or none.
+    tag = rf"\[rank {rank}\] " if expect.reader is not None else r"(\[rank 0\] )?"
+    prefix = rf"mpicons: error: {tag}{re.escape(expect.starts)}"
+    assert re.match(prefix, errors[0]), f"{errors[0]!r} does not start with {prefix!r}"
+    assert re.search(expect.phrase, errors[0]), errors[0]
+    for text in expect.mentions:
+        assert text in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
+def test_bad_input_is_one_clear_error(mpi_tmp_path: Path, case: Callable[[Path], Expect], capsys) -> None:
+    """The command line in-process on the test job's ranks: exit 2 everywhere, one line from rank 0."""
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    inp, out = mpi_tmp_path / "sharded", mpi_tmp_path / "out"
+    expect = None
+    if comm.rank == 0:
+        shutil.copytree(SOURCE, inp)
+        expect = case(inp)
+    expect = comm.bcast(expect, root=0)
+    rank = 0 if expect.reader is None else comm.bcast(_reading_rank(inp, expect.reader, comm.size) if comm.rank == 0 else None)
+    code = main(["consolidate", str(inp), str(out), *expect.args], comm=comm)
+    stderr = capsys.readouterr().err
+    verdict = None
+    try:
+        assert code == 2, stderr
+        if comm.rank == 0:
+            _error_line(stderr, expect, rank)
+            assert not out.exists() or list(out.iterdir()) == []
+        else:
+            assert stderr == "", stderr
+    except AssertionError as exc:
+        verdict = f"rank {comm.rank}: {exc}"
+    verdicts = [v for v in comm.allgather(verdict) if v]
+    assert not verdicts, "\n".join(verdicts)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 3])
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])
-def test_bad_input_is_one_clear_error(tmp_path: Path, case: Callable[[Path], Expect], ranks: int) -> None:
+def test_bad_input_is_one_clear_error_under_mpiexec(tmp_path: Path, case: Callable[[Path], Expect], ranks: int) -> None:
+    """The same through ``python -m mpicons`` under the launcher: no hang, no traceback, one line."""
     inp, out = tmp_path / "sharded", tmp_path / "out"
     shutil.copytree(SOURCE, inp)
     expect = case(inp)
@@ -406,16 +454,7 @@ def test_bad_input_is_one_clear_error(tmp_path: Path, case: Callable[[Path], Exp
         assert rank != 0, "choose a broken file that rank 0 does not read"
     proc, _ = mpirun(ranks, ["-m", "mpicons", "consolidate", str(inp), str(out), *expect.args], timeout=30)
     assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, proc.stderr
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("mpicons: error:")]
-    assert len(errors) == 1, proc.stderr
-    # An error one rank found names that rank; one every rank finds alike may name rank 0 or none.
-    tag = rf"\[rank {rank}\] " if expect.reader is not None else r"(\[rank 0\] )?"
-    prefix = rf"mpicons: error: {tag}{re.escape(expect.starts)}"
-    assert re.match(prefix, errors[0]), f"{errors[0]!r} does not start with {prefix!r}"
-    assert re.search(expect.phrase, errors[0]), errors[0]
-    for text in expect.mentions:
-        assert text in errors[0], errors[0]
+    _error_line(proc.stderr, expect, rank)
     assert not out.exists() or list(out.iterdir()) == []
 
 

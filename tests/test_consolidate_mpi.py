@@ -73,10 +73,10 @@ def test_sample_consolidates(buffer_size, mpi_tmp_path):
 def test_rows_larger_than_the_buffer(mpi_tmp_path):
     """Column-sharded rows bigger than the buffer are assembled piecewise, still byte-exact."""
     comm = MPI.COMM_WORLD
-    config = SampleConfig(layers=1, hidden=4096, intermediate=40, kv_dim=8, vocab=20, files=1, experts=1)
+    config = SampleConfig(layers=1, hidden=512, intermediate=40, kv_dim=8, vocab=20, files=1, experts=1)
     write_sample(mpi_tmp_path / "sharded", config, comm)
     out = mpi_tmp_path / "out"
-    mpicons.consolidate(mpi_tmp_path / "sharded", out, comm=comm, buffer_size=1 << 16)
+    mpicons.consolidate(mpi_tmp_path / "sharded", out, comm=comm, buffer_size=512)  # a row of 512 BF16 is 1 KiB
     assert_consolidated(out, _sample_expected(config), expected_mapping(config))
 
 

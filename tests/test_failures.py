@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from helpers import FIXTURES, MPIEXEC, assert_consolidated, fixture_expected, index_weight_map, mpirun, writing_started
+from helpers import (
+    FIXTURES,
+    assert_consolidated,
+    fixture_expected,
+    index_weight_map,
+    mpirun,
+    run_python,
+    start,
+    writing_started,
+)
 
 HERE = Path(__file__).parent
 INPUT = FIXTURES / "edge-3ranks" / "sharded"
@@ -60,27 +69,11 @@ def test_bad_input_exits_2_on_every_rank_with_one_message(tmp_path):
 
 
 def test_cli_runs_without_a_launcher(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mpicons",
-            "consolidate",
-            str(INPUT),
-            str(tmp_path / "out"),
-            "--stats-json",
-            str(tmp_path / "s.json"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    proc = run_python("-m", "mpicons", "consolidate", INPUT, tmp_path / "out", "--stats-json", tmp_path / "s.json")
     assert proc.returncode == 0, proc.stderr
     assert "/s overall" in proc.stdout
     expected, mapping = fixture_expected("edge-3ranks")
     assert_consolidated(tmp_path / "out", expected, index_weight_map(mapping))
-    import json
-
     report = json.loads((tmp_path / "s.json").read_text())
     assert report["ranks"] == 1 and set(report["phases"]) == {"scan", "plan", "write", "finalize"}
 
@@ -88,24 +81,11 @@ def test_cli_runs_without_a_launcher(tmp_path):
 INJECT = str(HERE / "scripts" / "inject.py")
 
 
-def _start(ranks: int, args: list[str], **kwargs) -> subprocess.Popen:
-    return subprocess.Popen(
-        [MPIEXEC, "-n", str(ranks), sys.executable, *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
-        **kwargs,
-    )
-
-
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
 def test_signal_to_the_job_aborts_cleanly(tmp_path, signum):
     """What Slurm does before a time limit: every rank stops, partial files are removed."""
     out = tmp_path / "out"
-    proc = _start(
-        3, [INJECT, "slow-write", "0", "--", "consolidate", str(INPUT), str(out), "--buffer-size", "64K", "--split", "files"]
-    )
+    proc = start(3, INJECT, "slow-write", "0", "--", "consolidate", INPUT, out, "--buffer-size", "64K", "--split", "files")
     deadline = time.monotonic() + 20
     while not writing_started(out) and time.monotonic() < deadline:
         time.sleep(0.05)

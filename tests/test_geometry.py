@@ -14,13 +14,13 @@ import shutil
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import FLOATS, assert_consolidated, random_checkpoint
+from helpers import FLOATS, assert_consolidated, random_checkpoint, slow_beyond
 from mpi4py import MPI
 
 import mpicons
 
 pytestmark = pytest.mark.mpi
-SEEDS = range(8)
+SEEDS = slow_beyond(list(range(8)), 3)  # all eight in slow runs
 NUMPY = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 
 

@@ -9,16 +9,13 @@ run in subprocesses under ``mpiexec`` from serial tests.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FIXTURE_NAMES, FIXTURES, fixture_expected, index_weight_map, mpirun, reference_bytes
+from helpers import FIXTURE_NAMES, FIXTURES, fixture_expected, index_weight_map, mpirun, reference_bytes, run_python
 from mpi4py import MPI
 
 import mpicons
@@ -262,14 +259,7 @@ def test_cli_preview_writes_json(tmp_path):
 
 
 def test_cli_without_a_launcher(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "mpicons", "inspect", str(EDGE), "--limit", "3"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
-    )
+    proc = run_python("-m", "mpicons", "inspect", EDGE, "--limit", "3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert all(len(line) <= 100 for line in proc.stdout.splitlines())
     assert "... and 24 more tensors" in proc.stdout

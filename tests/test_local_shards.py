@@ -85,10 +85,9 @@ def test_a_file_no_rank_sees_is_named(mpi_tmp_path):
     assert not (mpi_tmp_path / "out").exists() or list((mpi_tmp_path / "out").iterdir()) == []
 
 
+@pytest.mark.mpi(min_size=2)
 def test_same_name_different_content_is_refused(mpi_tmp_path):
     comm = MPI.COMM_WORLD
-    if comm.size == 1:
-        pytest.skip("needs two ranks")
     template = _spread(mpi_tmp_path, comm, "exclusive")
     if comm.rank == 0:
         (mpi_tmp_path / "in-1" / "shard-00001-model-00001-of-00003.safetensors").write_bytes(b"\0" * 16)

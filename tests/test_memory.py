@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 GIB = 1 << 30
 
@@ -30,6 +29,7 @@ def write_sparse_shard(path: Path, tensors: dict[str, tuple[str, list[int], list
     return 8 + len(text)
 
 
+@pytest.mark.slow
 def test_peak_rss_is_bounded_by_the_buffer_on_a_multi_gib_tensor(tmp_path):
     rows, cols = 40_960, 32_768  # bf16: 2.5 GiB, cut into two column halves
     half = rows * (cols // 2) * 2
@@ -51,23 +51,8 @@ def test_peak_rss_is_bounded_by_the_buffer_on_a_multi_gib_tensor(tmp_path):
             handle.write(markers[rank])
     out = tmp_path / "out"
     script = Path(__file__).parent / "scripts" / "peak_rss.py"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(script),
-            "consolidate",
-            str(shards),
-            str(out),
-            "--buffer-size",
-            "32M",
-            "--stats-json",
-            str(tmp_path / "s.json"),
-            "-q",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)},
+    proc = run_python(
+        script, "consolidate", shards, out, "--buffer-size", "32M", "--stats-json", tmp_path / "s.json", "-q", timeout=300
     )
     assert proc.returncode == 0, proc.stderr
     stats = json.loads((tmp_path / "s.json").read_text())
@@ -93,6 +78,7 @@ def test_peak_rss_is_bounded_by_the_buffer_on_a_multi_gib_tensor(tmp_path):
 PER_PIECE, PER_TENSOR, PER_HEADER_BYTE, FIXED = 260, 2048, 25, 1 << 20
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_planning_memory_is_the_ranks_share_of_the_pieces(mpi_tmp_path):
     """Scan + plan of 128,000 pieces: the peak of Python/numpy allocations on each rank stays within the

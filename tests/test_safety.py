@@ -23,10 +23,14 @@ from helpers import (
     FIXTURES,
     MPIEXEC,
     assert_consolidated,
+    cli,
     fixture_expected,
     index_weight_map,
     mpirun,
     reference_bytes,
+    slow_beyond,
+    start,
+    subprocess_env,
     writing_started,
 )
 
@@ -34,22 +38,7 @@ ROOT = Path(__file__).parent.parent
 INJECT = str(Path(__file__).parent / "scripts" / "inject.py")
 INPUT = FIXTURES / "edge-3ranks" / "sharded"  # 2 output files
 OLDER = FIXTURES / "fsdp2-3ranks" / "sharded"  # 3 output files
-ENV = {**os.environ, "PYTHONPATH": str(ROOT), "MPICONS_PROGRESS": "lines"}
-
-
-def cli(ranks: int, *args: str, timeout: float = 60) -> tuple[subprocess.CompletedProcess, float]:
-    return mpirun(ranks, ["-m", "mpicons", *map(str, args)], timeout=timeout)
-
-
-def start(ranks: int, *args: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [MPIEXEC, "-n", str(ranks), sys.executable, *map(str, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-        start_new_session=True,
-    )
+ENV = subprocess_env(MPICONS_PROGRESS="lines")
 
 
 def one_error(proc: subprocess.CompletedProcess) -> str:
@@ -86,7 +75,9 @@ def old_checkpoint(out: Path) -> dict[str, bytes]:
 
 def test_a_second_run_into_the_same_directory_stops_at_once(tmp_path):
     out = tmp_path / "out"
-    first = start(2, INJECT, "slow-write", "0", "--", "consolidate", INPUT, out, "--buffer-size", "64K", "--split", "files")
+    first = start(
+        2, INJECT, "slow-write", "0", "--", "consolidate", INPUT, out, "--buffer-size", "64K", "--split", "files", env=ENV
+    )
     try:
         deadline = time.monotonic() + 30
         while not writing_started(out) and time.monotonic() < deadline:
@@ -200,10 +191,16 @@ def test_force_leaves_exactly_the_new_checkpoint(tmp_path):
     assert proc.returncode == 0, proc.stdout
 
 
-@pytest.mark.parametrize(
-    "fault",
-    ["publish-aside-term", "publish-publish-term", "publish-write-error", "publish-journal-error", "publish-publish-error"],
-)
+PUBLISH_FAULTS = [
+    "publish-publish-term",
+    "publish-write-error",
+    "publish-aside-term",
+    "publish-journal-error",
+    "publish-publish-error",
+]
+
+
+@pytest.mark.parametrize("fault", slow_beyond(PUBLISH_FAULTS, 2))
 def test_a_failure_while_publishing_leaves_the_directory_as_it_was(tmp_path, fault):
     """SIGTERM during the renames (a Slurm time limit), disk full at the index: old checkpoint intact, rerun works."""
     out = tmp_path / "out"
@@ -256,7 +253,7 @@ def test_ctrl_c_at_any_moment_of_start_up_ends_the_job(tmp_path):
     interrupted = 0
     for attempt in range(20):
         out = tmp_path / f"out-{attempt}"
-        proc = start(2, "-m", "mpicons", "consolidate", INPUT, out, "-q")
+        proc = start(2, "-m", "mpicons", "consolidate", INPUT, out, "-q", env=ENV)
         time.sleep(rng.uniform(0.0, 0.7))
         os.killpg(proc.pid, signal.SIGINT)
         try:

@@ -9,13 +9,13 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import assert_consolidated, fixture_expected, index_weight_map, writing_started
-from test_failures import INPUT, MPIEXEC
+from helpers import FIXTURES, MPIEXEC, assert_consolidated, fixture_expected, index_weight_map, writing_started
 
 from mpicons.cli import check_launcher
 from mpicons.errors import InputError
 
 ROOT = Path(__file__).parent.parent
+INPUT = FIXTURES / "edge-3ranks" / "sharded"
 
 
 def _env(**extra: str) -> dict[str, str]:

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FIXTURE_NAMES, FIXTURES, reference_bytes
+from helpers import FIXTURE_NAMES, FIXTURES, cli, reference_bytes
 from mpi4py import MPI
 
 import mpicons
@@ -261,7 +259,7 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], list[tuple[str | None, object
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("against", [False, True])
+@pytest.mark.parametrize("against", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("breakage", sorted(BREAKAGES))
 def test_each_kind_of_damage_is_reported(breakage, against, mpi_tmp_path):
     comm = MPI.COMM_WORLD
@@ -310,24 +308,12 @@ def test_every_problem_is_reported_not_just_the_first(mpi_tmp_path):
 # ---------------------------------------------------------------- command line
 
 
-def _mpirun(ranks: int, args: list[str]) -> subprocess.CompletedProcess:
-    venv_mpiexec = Path(sys.executable).parent / "mpiexec"
-    mpiexec = str(venv_mpiexec) if venv_mpiexec.exists() else shutil.which("mpiexec")
-    return subprocess.run(
-        [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpicons", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": str(HERE.parent)},
-    )
-
-
 def test_cli_exit_codes_at_3_ranks(tmp_path):
     out = tmp_path / "out"
     mpicons.consolidate(EDGE, out, comm=MPI.COMM_SELF)
     report_path = tmp_path / "report.json"
 
-    good = _mpirun(3, ["verify", str(out), "--against", str(EDGE), "--json", str(report_path)])
+    good, _ = cli(3, "verify", str(out), "--against", str(EDGE), "--json", str(report_path))
     assert good.returncode == 0, good.stdout + good.stderr
     assert good.stdout.count("mpicons verify: OK") == 1  # rank 0 only
     report = json.loads(report_path.read_text())
@@ -335,7 +321,7 @@ def test_cli_exit_codes_at_3_ranks(tmp_path):
 
     _flip(out / FILE2, _element_position(out / FILE2, "moe.experts.w1", (1, 2, 3)))
     (out / "extra.safetensors").write_bytes(b"not safetensors at all")
-    bad = _mpirun(3, ["verify", str(out), "--against", str(EDGE), "--json", str(report_path), "--buffer-size", "1K"])
+    bad, _ = cli(3, "verify", str(out), "--against", str(EDGE), "--json", str(report_path), "--buffer-size", "1K")
     assert bad.returncode == 1, bad.stdout + bad.stderr
     lines = bad.stdout.splitlines()
     assert (
@@ -347,15 +333,15 @@ def test_cli_exit_codes_at_3_ranks(tmp_path):
     assert "mpicons: error" not in bad.stderr
     assert len(json.loads(report_path.read_text())["problems"]) == 3
 
-    quiet = _mpirun(3, ["verify", str(out), "-q"])
+    quiet, _ = cli(3, "verify", str(out), "-q")
     assert quiet.returncode == 1
     assert all(line.startswith(str(out)) for line in quiet.stdout.splitlines())
 
-    missing = _mpirun(3, ["verify", str(tmp_path / "missing")])
+    missing, _ = cli(3, "verify", str(tmp_path / "missing"))
     assert missing.returncode == 2
     assert missing.stderr.count("mpicons: error:") == 1 and "output directory does not exist" in missing.stderr
 
-    no_shards = _mpirun(3, ["verify", str(out), "--against", str(tmp_path / "missing")])
+    no_shards, _ = cli(3, "verify", str(out), "--against", str(tmp_path / "missing"))
     assert no_shards.returncode == 2
     assert "input directory does not exist" in no_shards.stderr
 
