@@ -18,6 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from harness import (
     MPIEXEC,
@@ -67,7 +68,7 @@ def pieces(directory: Path) -> int:
     return len(read_table(str(directory)).pieces)
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", type=parse_size, default=int(280e6), help="tensor bytes of the sample (default 280MB)")
     parser.add_argument("--training-ranks", type=int, default=64)
@@ -76,7 +77,11 @@ def main() -> None:
     parser.add_argument("--torch", action="store_true", help="also torch's consolidate_safetensors_files (slow)")
     parser.add_argument("--workdir", type=Path, default=REPO / "benchmarks" / "work")
     parser.add_argument("--json", type=Path, help="write every number here")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _arguments()
     args.workdir.mkdir(parents=True, exist_ok=True)
     source, described = ensure_sample(args.workdir, args.size, args.training_ranks)
     ranks = [int(r) for r in args.ranks.split(",")]
@@ -125,16 +130,11 @@ def main() -> None:
 
     checked_tensors = check_sample(str(reference), SampleConfig(**described["config"]), MPI.COMM_SELF)  # type: ignore[arg-type]
     best = {name: min(times, key=lambda t: t.wall) for name, times in cases.items()}
-    cp, cp_sync = best["cp -r"].wall, best["cp -r + sync"].wall
     print(
         f"MoE sample: {count:,} pieces, {described['tensors']:,} tensors, {args.training_ranks} training ranks, "
         f"{dir_bytes(source) / 1e6:.0f} MB of shards ({total / 1e6:.0f} MB read warm); best of {args.repeat}"
     )
-    print(f"{'case':<34}{'wall s':>8}{'x cp -r':>9}{'x cp+sync':>10}{'RSS/rank MB':>13}{'scan':>7}{'plan':>7}{'write':>7}")
-    for name, timed in best.items():
-        phases = stats.get(name, {}).get("phases", {})
-        cols = "".join(f"{phases[p]['max']:>7.2f}" if p in phases else f"{'':>7}" for p in ("scan", "plan", "write"))
-        print(f"{name:<34}{timed.wall:>8.3f}{timed.wall / cp:>9.2f}{timed.wall / cp_sync:>10.2f}{timed.rss_mb:>13.0f}{cols}")
+    _table(best, stats)
     print(
         f"outputs byte-identical across rank counts and sync modes: {not differing}; "
         f"{checked_tensors} tensors equal the sample's values"
@@ -142,21 +142,27 @@ def main() -> None:
     if quiet.busy_runs:
         print("runs that started on a busy machine:", "; ".join(quiet.busy_runs))
     if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "machine": machine(),
-                    "pieces": count,
-                    "sample": described,
-                    "mpiexec": MPIEXEC,
-                    "cases": {n: [t.__dict__ | {"log": ""} for t in ts] for n, ts in cases.items()},
-                    "stats": stats,
-                    "identical": not differing,
-                    "busy_runs": quiet.busy_runs,
-                },
-                indent=1,
-            )
-        )
+        numbers = {
+            "machine": machine(),
+            "pieces": count,
+            "sample": described,
+            "mpiexec": MPIEXEC,
+            "cases": {n: [t.__dict__ | {"log": ""} for t in ts] for n, ts in cases.items()},
+            "stats": stats,
+            "identical": not differing,
+            "busy_runs": quiet.busy_runs,
+        }
+        args.json.write_text(json.dumps(numbers, indent=1))
+
+
+def _table(best: dict[str, Timed], stats: dict[str, dict[str, object]]) -> None:
+    """Best wall time per case, as multiples of cp, with mpicons' slowest-rank phase times."""
+    cp, cp_sync = best["cp -r"].wall, best["cp -r + sync"].wall
+    print(f"{'case':<34}{'wall s':>8}{'x cp -r':>9}{'x cp+sync':>10}{'RSS/rank MB':>13}{'scan':>7}{'plan':>7}{'write':>7}")
+    for name, timed in best.items():
+        phases: Any = stats.get(name, {}).get("phases", {})
+        cols = "".join(f"{phases[p]['max']:>7.2f}" if p in phases else f"{'':>7}" for p in ("scan", "plan", "write"))
+        print(f"{name:<34}{timed.wall:>8.3f}{timed.wall / cp:>9.2f}{timed.wall / cp_sync:>10.2f}{timed.rss_mb:>13.0f}{cols}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 from safetensors import TensorSpec, deserialize, serialize
 
+from mpicons.sample import SampleConfig, full_tensor, tensor_specs
+
 FIXTURES = Path(__file__).parent / "fixtures" / "dcp"
 FIXTURE_NAMES = sorted(p.name for p in FIXTURES.iterdir() if p.is_dir())
 _VENV_MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -70,6 +72,14 @@ def fixture_expected(name: str) -> tuple[Tensors, dict[str, int]]:
     folder = FIXTURES / name / "expected"
     mapping = json.loads((folder / "mapping.json").read_text())
     return load_tensors(folder / "full.safetensors"), mapping
+
+
+def sample_expected(config: SampleConfig) -> Tensors:
+    """The full tensors of a ``write_sample`` checkpoint, from the sample's own generator."""
+    return {
+        name: (dtype, list(shape), np.ascontiguousarray(full_tensor(config, name, dtype, shape)).tobytes())
+        for name, dtype, shape, _, _ in tensor_specs(config)
+    }
 
 
 def assert_consolidated(output_dir: str | os.PathLike[str], expected: Tensors, weight_map: dict[str, str]) -> None:

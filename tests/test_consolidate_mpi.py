@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-from helpers import FIXTURE_NAMES, FIXTURES, assert_consolidated, fixture_expected, index_weight_map
+from helpers import FIXTURE_NAMES, FIXTURES, assert_consolidated, fixture_expected, index_weight_map, sample_expected
 from mpi4py import MPI
 
 import mpicons
-from mpicons.sample import SampleConfig, expected_mapping, full_tensor, tensor_specs, write_sample
+from mpicons.sample import SampleConfig, expected_mapping, write_sample
 
 pytestmark = pytest.mark.mpi
 
@@ -53,13 +52,6 @@ def test_mapping_overrides_file_assignment(form, mpi_tmp_path):
     assert_consolidated(out, expected, weight_map)
 
 
-def _sample_expected(config: SampleConfig):
-    return {
-        name: (dtype, list(shape), np.ascontiguousarray(full_tensor(config, name, dtype, shape)).tobytes())
-        for name, dtype, shape, _, _ in tensor_specs(config)
-    }
-
-
 @pytest.mark.parametrize("buffer_size", [1 << 16, 32 << 20])
 def test_sample_consolidates(buffer_size, mpi_tmp_path):
     comm = MPI.COMM_WORLD
@@ -67,7 +59,7 @@ def test_sample_consolidates(buffer_size, mpi_tmp_path):
     write_sample(mpi_tmp_path / "sharded", config, comm)
     out = mpi_tmp_path / "out"
     mpicons.consolidate(mpi_tmp_path / "sharded", out, comm=comm, buffer_size=buffer_size)
-    assert_consolidated(out, _sample_expected(config), expected_mapping(config))
+    assert_consolidated(out, sample_expected(config), expected_mapping(config))
 
 
 def test_rows_larger_than_the_buffer(mpi_tmp_path):
@@ -77,7 +69,7 @@ def test_rows_larger_than_the_buffer(mpi_tmp_path):
     write_sample(mpi_tmp_path / "sharded", config, comm)
     out = mpi_tmp_path / "out"
     mpicons.consolidate(mpi_tmp_path / "sharded", out, comm=comm, buffer_size=512)  # a row of 512 BF16 is 1 KiB
-    assert_consolidated(out, _sample_expected(config), expected_mapping(config))
+    assert_consolidated(out, sample_expected(config), expected_mapping(config))
 
 
 def test_sub_communicator_leaves_the_rest_alone(mpi_tmp_path):
@@ -116,7 +108,7 @@ def test_balanced_split_on_one_output_file(mpi_tmp_path):
     write_sample(mpi_tmp_path / "sharded", config, comm)
     result = mpicons.consolidate(mpi_tmp_path / "sharded", mpi_tmp_path / "out", comm=comm)
     assert result.stats.imbalance <= 1.10
-    assert_consolidated(mpi_tmp_path / "out", _sample_expected(config), expected_mapping(config))
+    assert_consolidated(mpi_tmp_path / "out", sample_expected(config), expected_mapping(config))
 
 
 @pytest.mark.parametrize("io_threads", [0, 1, 3])

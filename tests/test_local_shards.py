@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import shutil
 
-import numpy as np
 import pytest
-from helpers import assert_consolidated
+from helpers import assert_consolidated, sample_expected
 from mpi4py import MPI
 
 import mpicons
 from mpicons.errors import InputError
-from mpicons.sample import SampleConfig, expected_mapping, full_tensor, tensor_specs, write_sample
+from mpicons.sample import SampleConfig, expected_mapping, write_sample
 
 pytestmark = pytest.mark.mpi
 
 CONFIG = SampleConfig(layers=2, hidden=64, intermediate=136, vocab=301, files=3)
-
-
-def _expected(config: SampleConfig):
-    return {
-        name: (dtype, list(shape), np.ascontiguousarray(full_tensor(config, name, dtype, shape)).tobytes())
-        for name, dtype, shape, _, _ in tensor_specs(config)
-    }
 
 
 def _spread(root, comm, layout: str, drop: str | None = None) -> str:
@@ -61,7 +53,7 @@ def test_local_shards_give_the_shared_filesystem_bytes(layout, gather_to, mpi_tm
         assert (result.moved_bytes == 0) == sees_all
     elif comm.size > 1:
         assert result.moved_bytes > 0  # column-sharded tensors need pieces from other ranks
-    assert_consolidated(out, _expected(CONFIG), expected_mapping(CONFIG))
+    assert_consolidated(out, sample_expected(CONFIG), expected_mapping(CONFIG))
     shared = mpicons.consolidate(mpi_tmp_path / "shared", mpi_tmp_path / "reference", comm=comm)
     for name in shared.files:
         assert (out / name).read_bytes() == (mpi_tmp_path / "reference" / name).read_bytes()
