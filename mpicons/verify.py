@@ -547,10 +547,20 @@ def verify(
 ) -> VerifyReport:
     """Check the consolidated checkpoint in ``output_dir``; with ``against``, every tensor against the shards.
 
-    Collective over ``comm`` (default ``MPI.COMM_WORLD``). Problems with the checkpoint are collected
-    in the returned report (the same on every rank), not raised. Raises :class:`InputError` on every
-    rank when the arguments are unusable (missing directory, unreadable shards). ``dtype``: the
-    output was written with ``--dtype``; the shards are converted the same way before comparing.
+    Parameters:
+        output_dir: a consolidated checkpoint (safetensors files and ``model.safetensors.index.json``).
+            Structure is always checked: headers, index, stray and missing files, leftovers of a run.
+        against: the shard directory it was made from (``{rank}`` allowed, as for consolidate): every
+            tensor's dtype, shape and bytes are compared with the shards, block by block.
+        comm: the communicator (default ``MPI.COMM_WORLD``); collective, files and blocks are split
+            over its ranks.
+        buffer_size: bytes of buffers per rank for the comparison (as for consolidate).
+        dtype: the output was written with this ``--dtype``; the shards are converted the same way
+            before comparing.
+
+    Problems with the checkpoint are collected in the returned :class:`VerifyReport` (the same on
+    every rank), not raised. :class:`InputError` is raised on every rank when the arguments are
+    unusable (missing directory, unreadable shards).
     """
     comm = as_communicator(comm)
     output_dir = os.fspath(output_dir)
