@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="memory per rank for comparing blocks (default: 32M)",
     )
     check.add_argument("--dtype", choices=_DTYPES, help="the output was written with --dtype: convert the shards alike")
+    _add_selection_options(check)
     check.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to standard output)")
     check.add_argument("-q", "--quiet", action="store_true", help="print only the problems")
     check.set_defaults(func=_cmd_verify)
@@ -167,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     look.add_argument("--split", choices=_SPLITS, default="bytes", help="work split over ranks (default: %(default)s)")
     look.add_argument("--dtype", choices=_DTYPES, help="plan with floating-point tensors converted")
     look.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", help="plan a Hugging Face re-sharding, e.g. 5GB")
+    _add_selection_options(look)
     look.add_argument(
         "--json", metavar="FILE", help="write the full report as JSON ('-': to standard output, instead of the table)"
     )
@@ -181,6 +183,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_selection_options(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="keep only tensors whose state-dict name matches GLOB (repeatable; default: all)",
+    )
+    cmd.add_argument(
+        "--exclude", action="append", default=[], metavar="GLOB", help="leave out tensors whose name matches GLOB (repeatable)"
+    )
+    cmd.add_argument(
+        "--strip-prefix", metavar="PREFIX", help="remove PREFIX from tensor names that start with it (e.g. 'model.')"
+    )
+
+
+def _selection(args: argparse.Namespace) -> dict[str, Any]:
+    return {"include": tuple(args.include), "exclude": tuple(args.exclude), "strip_prefix": args.strip_prefix}
+
+
 def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json"
@@ -190,8 +212,10 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
         "--max-shard-size",
         type=parse_size,
         metavar="SIZE",
-        help="re-shard like Hugging Face, e.g. 5GB (10^9 bytes), instead of following the shard names",
+        help="re-shard like Hugging Face, e.g. 5GB (10^9 bytes), instead of following the shard names "
+        "(.distcp inputs, which name no files: 5GB unless given)",
     )
+    _add_selection_options(cmd)
     cmd.add_argument(
         "--format",
         dest="output_format",
@@ -258,6 +282,7 @@ def job_options(args: argparse.Namespace) -> Options:
         gather_to=args.gather_to,
         sync=args.sync,
         verbose=args.verbose,
+        **_selection(args),
     )
 
 
@@ -310,6 +335,8 @@ def _check_report_paths(comm: Comm, *paths: str | None) -> None:
 
 
 def _print_result(args: argparse.Namespace, comm: Comm, result: ConsolidateResult) -> None:
+    from .reports import skipped_entries
+
     if comm.rank != 0 or args.quiet or args.stats_json == "-":
         return
     lines = [result.stats.table()]
@@ -319,6 +346,8 @@ def _print_result(args: argparse.Namespace, comm: Comm, result: ConsolidateResul
             lines.append(f"  node-local shards: {result.moved_bytes} bytes moved over MPI")
         if result.hints:
             lines.append("  MPI-IO hints in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(result.hints.items())))
+    if result.skipped:
+        lines.append(f"mpicons: skipped {skipped_entries(result.skipped)}")
     index = f" and {result.index_file}" if result.index_file else ""
     files = ", ".join(result.files) if len(result.files) < 4 else f"{len(result.files)} files"
     lines.append(f"mpicons: wrote {files}{index} to {result.output_dir}")
@@ -369,7 +398,9 @@ def _cmd_verify(args: argparse.Namespace, comm: Comm) -> int:
     from .verify import verify
 
     _check_report_paths(comm, args.json)
-    report = verify(args.output_dir, against=args.against, comm=comm, buffer_size=args.buffer_size, dtype=args.dtype)
+    report = verify(
+        args.output_dir, against=args.against, comm=comm, buffer_size=args.buffer_size, dtype=args.dtype, **_selection(args)
+    )
     if comm.rank == 0 and args.json != "-":
         lines = report.lines() + ([] if args.quiet else [report.summary()])
         if lines:
@@ -391,6 +422,7 @@ def _cmd_inspect(args: argparse.Namespace, comm: Comm) -> int:
         split=args.split,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
+        **_selection(args),
     )
     if comm.rank == 0 and args.json != "-":
         say(report.table(limit=args.limit))

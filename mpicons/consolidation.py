@@ -19,10 +19,10 @@ from .options import DEFAULT_BUFFER_SIZE, FORMATS, Options
 from .outdir import OutputDir
 from .outputs import OutputBackend, open_output
 from .parallel import Comm, agree, agree_on, wait_for_all
-from .plan import INDEX_NAME, Layout, Part, Problems, build_layout, parse_mapping
+from .plan import HF_MAX_SHARD_SIZE, INDEX_NAME, Layout, Part, Problems, build_layout, parse_mapping
 from .progress import Progress
 from .replicas import check_replicas
-from .scan import Scanned, distribute, rank_directory, scan
+from .scan import Scanned, distribute, rank_directory, scan, select
 from .sources import SourceFiles
 from .stats import PhaseClock, Stats, reduce_stats
 from .writer import Writer
@@ -51,6 +51,7 @@ class ConsolidateResult:
     moved_bytes: int  # bytes sent between ranks over MPI (node-local shards / gather_to)
     shared_input: bool  # every rank could read every shard file
     notes: list[str] = field(default_factory=list)  # what was found and mended in the output directory
+    skipped: list[str] = field(default_factory=list)  # entries that are not tensors (``.distcp``), left out
 
 
 def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict[str, str]:
@@ -102,13 +103,25 @@ def check_buffer_fits(comm: Comm, buffer_size: int) -> None:
     agree(comm, lambda: check_buffer_size(buffer_size, hosts.count(hosts[comm.rank])))
 
 
+def scan_inputs(input_dir: str, comm: Comm, options: Options) -> Scanned:
+    """The scan of ``input_dir`` with the tensors ``options`` select (include, exclude, strip_prefix)."""
+    return select(scan(input_dir, comm), options.include, options.exclude, options.strip_prefix)
+
+
 def layout_of(
     scanned: Scanned, ranks: int, options: Options, mapping: dict[str, str] | None, problems: Problems | None = None
 ) -> Layout:
-    """The layout of what the scan found, for ``ranks`` writers and these options (pure)."""
+    """The layout of what the scan found, for ``ranks`` writers and these options (pure).
+
+    Inputs that name no output files (``.distcp``) are sharded like Hugging Face's ``save_pretrained``
+    (5GB files in the order the tensors were saved) unless a mapping or a shard size is given.
+    """
+    max_shard_size = options.max_shard_size
+    if max_shard_size is None and mapping is None and scanned.files.source_format == "distcp":
+        max_shard_size = HF_MAX_SHARD_SIZE
     return build_layout(
         scanned.files, scanned.names, scanned.facts, ranks, mapping=mapping, split=options.split, dtype=options.dtype,
-        max_shard_size=options.max_shard_size, problems=problems,
+        max_shard_size=max_shard_size, saved_order=scanned.order, problems=problems,
     )  # fmt: skip
 
 
@@ -169,7 +182,7 @@ def consolidate(
                 for note in notes:
                     log.info("%s: %s", output_dir, note)
             mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-            scanned = scan(input_dir, comm)
+            scanned = scan_inputs(input_dir, comm, options)
         with clock("plan"):
             layout, part = plan_job(comm, scanned, options, mapping)
         with clock("write"):
@@ -200,6 +213,7 @@ def consolidate(
         moved_bytes=comm.allreduce(moved, "sum"),
         shared_input=scanned.shared,
         notes=notes,
+        skipped=scanned.skipped,
     )
 
 

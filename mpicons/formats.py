@@ -40,7 +40,7 @@ class OutputFormat(Protocol):
 
 
 class Safetensors:
-    """Hugging Face safetensors files and ``model.safetensors.index.json``."""
+    """Hugging Face safetensors files and ``model.safetensors.index.json`` (none beside a lone ``model.safetensors``)."""
 
     name = "safetensors"
     checkpoint = True
@@ -56,10 +56,10 @@ class Safetensors:
         return layout  # the backends create the files (header, size)
 
     def final_names(self, layout: Layout) -> list[str]:
-        return [f.name for f in layout.files] + [INDEX_NAME]
+        return [f.name for f in layout.files] + ([INDEX_NAME] if layout.has_index else [])
 
     def index(self, layout: Layout) -> bytes | None:
-        return (json.dumps(layout.index(), indent=2) + "\n").encode()
+        return (json.dumps(layout.index(), indent=2) + "\n").encode() if layout.has_index else None
 
 
 class HDF5:

@@ -19,14 +19,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .comm import as_communicator
-from .consolidation import layout_of, load_mapping
+from .consolidation import layout_of, load_mapping, scan_inputs
 from .errors import InputError
 from .options import Options
 from .parallel import agree, agree_on
 from .plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, natural_key
-from .reports import Problem, human_bytes
+from .reports import Problem, human_bytes, skipped_entries
 from .reports import count_of as _count
-from .scan import distribute, scan
+from .scan import distribute
 from .table import ShardFiles, missing_shards
 
 #: Width the table output is laid out for.
@@ -112,6 +112,10 @@ class InspectReport:
     problems: list[Problem] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     layout: Layout | None = None
+    #: ``safetensors`` (DCP's Hugging Face layout or plain files) or ``distcp`` (DCP's default format).
+    format: str = "safetensors"
+    #: Entries that are not tensors, left out of a consolidation (``.distcp``: step counters, loader state).
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -151,6 +155,8 @@ class InspectReport:
             "job_ranks": self.job_ranks,
             "split": self.split,
             "mapping": self.mapping,
+            "format": self.format,
+            "skipped": list(self.skipped),
             "summary": {
                 "shard_files": len(self.shards),
                 "training_ranks": len(self.training_ranks),
@@ -218,7 +224,7 @@ def inspect(
         raise InputError(f"ranks must be a positive integer (got {ranks!r})")
     options.check(comm.size)
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-    scanned = scan(input_dir, comm)
+    scanned = scan_inputs(input_dir, comm, options)
     problems = Problems(strict=False)
     layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, problems))
     file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
@@ -241,6 +247,7 @@ def inspect(
         split=options.split,
         mapping_label=label,
         mapped=mapping is not None,
+        skipped=scanned.skipped,
     )
 
 
@@ -258,6 +265,7 @@ def describe(
     split: str = "bytes",
     mapping_label: str | None = None,
     mapped: bool = False,
+    skipped: Sequence[str] = (),
 ) -> InspectReport:
     """The report from the scan's facts, the layout and the problems found; pure, the same on every rank."""
     planned = not problems
@@ -314,6 +322,8 @@ def describe(
         problems=listed,
         notes=_missing_shard_notes(files.names),
         layout=layout if planned else None,
+        format=files.source_format,
+        skipped=list(skipped),
     )
 
 
@@ -388,7 +398,10 @@ def _summary(report: InspectReport) -> list[str]:
     out = [f"mpicons inspect: {report.input_dir}"]
     training = report.training_ranks
     trained = f" from {_count(len(training), 'training rank')}" if training else ""
-    out.append(f"  shards   {_count(len(report.shards), 'file')}{trained}, {_count(report.pieces, 'piece')}")
+    kind = " (DCP .distcp)" if report.format == "distcp" else ""
+    out.append(f"  shards   {_count(len(report.shards), 'file')}{kind}{trained}, {_count(report.pieces, 'piece')}")
+    if report.skipped:
+        out.append(f"  skipped  {skipped_entries(report.skipped)}")
     out.append(
         f"  tensors  {_count(len(report.tensors), 'tensor')}, {_size(report.total_bytes)} ({report.total_bytes} bytes) "
         f"in {_count(len(report.files), 'output file')}"

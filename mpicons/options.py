@@ -53,6 +53,12 @@ class Options:
     """Write every output on this rank only (its local output directory); data moves over MPI."""
     sync: bool = True
     """Flush outputs to stable storage before publishing them (``False``: faster, not power-loss safe)."""
+    include: tuple[str, ...] = ()
+    """Glob patterns (``fnmatch``, on the full state-dict name): keep only the tensors matching one. Empty: all."""
+    exclude: tuple[str, ...] = ()
+    """Glob patterns: leave out the tensors matching one (after ``include``)."""
+    strip_prefix: str | None = None
+    """Remove this prefix from the names that start with it (``model.`` for accelerate's FSDP checkpoints)."""
 
     def check(self, ranks: int) -> None:
         """Refuse options that are wrong whatever the checkpoint (the same on every rank)."""
@@ -70,6 +76,11 @@ class Options:
             raise InputError(f"--max-shard-size must be positive (got {self.max_shard_size})")
         if self.mapping is not None and self.max_shard_size is not None:
             raise InputError("--mapping and --max-shard-size both decide the output files: give one")
+        for pattern in (*self.include, *self.exclude):
+            if not isinstance(pattern, str) or not pattern:
+                raise InputError(f"--include/--exclude patterns are non-empty strings (got {pattern!r})")
+        if self.strip_prefix is not None and (not isinstance(self.strip_prefix, str) or not self.strip_prefix):
+            raise InputError(f"--strip-prefix must be a non-empty string (got {self.strip_prefix!r})")
         if self.gather_to is not None:
             if not 0 <= self.gather_to < ranks:
                 raise InputError(f"--gather-to {self.gather_to}: no such rank (the job has {ranks})")
@@ -82,6 +93,11 @@ class Options:
         unknown = sorted(set(changes) - known)
         if unknown:
             raise TypeError(f"unknown option {unknown[0]!r} (options: {', '.join(sorted(known))})")
+        for name in ("include", "exclude"):  # one pattern or several
+            if isinstance(changes.get(name), str):
+                changes[name] = (changes[name],)
+            elif name in changes:
+                changes[name] = tuple(changes[name])
         return replace(self, **changes)
 
 

@@ -32,6 +32,10 @@ from .table import Pieces, ShardFiles, Table, missing_shards, shard_file_name  #
 #: What Hugging Face ``save_pretrained`` writes; transformers refuses files without it.
 OUTPUT_METADATA = {"format": "pt"}
 INDEX_NAME = "model.safetensors.index.json"
+#: What Hugging Face names a checkpoint of one file (and writes no index for).
+SINGLE_FILE_NAME = "model.safetensors"
+#: Hugging Face's default ``max_shard_size`` ("5GB", 10⁹ bytes a GB): the sharding of inputs that name no files.
+HF_MAX_SHARD_SIZE = 5 * 10**9
 #: Above this many grid cells a tensor's coverage is checked pairwise instead of on a grid.
 MAX_GRID_CELLS = 1 << 24
 _BITS = np.array([d.bits for d in DTYPES], dtype=np.int64)
@@ -150,6 +154,11 @@ class Layout:
     def weight_map(self) -> dict[str, str]:
         return {self.tensors[t].name: f.name for f in self.files for t in f.tensors}
 
+    @property
+    def has_index(self) -> bool:
+        """Hugging Face writes no index beside a single ``model.safetensors``."""
+        return not (len(self.files) == 1 and self.files[0].name == SINGLE_FILE_NAME)
+
     def index(self) -> dict[str, object]:
         """The ``model.safetensors.index.json`` content, as Hugging Face writes it."""
         return {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(self.weight_map().items()))}
@@ -178,6 +187,8 @@ class TensorFacts:
     dtype_odd: np.ndarray | None = None
     ndim_odd: np.ndarray | None = None
     dest_odd: np.ndarray | None = None
+    #: int64[T, D]: the full shape the checkpoint declares (DCP's ``.metadata``), storage units; None: the extent.
+    declared: np.ndarray | None = None
 
     SUM = ("count", "volume")
     MAX = ("extent", "misaligned")
@@ -193,7 +204,10 @@ class TensorFacts:
 
 
 def piece_destinations(files: ShardFiles) -> np.ndarray:
-    """Per file, where its pieces go by name: the DCP output index, or (plain files) the file itself."""
+    """Per file, where its pieces go by name: the DCP output index, (plain files) the file itself, or
+    (``.distcp`` data files, which name no output) nowhere in particular."""
+    if files.source_format == "distcp":
+        return np.zeros(len(files), dtype=np.int64)
     if (files.out_index >= 0).any():
         return files.out_index.astype(np.int64)
     return np.arange(len(files), dtype=np.int64)
@@ -406,7 +420,7 @@ def tensor_table(files: ShardFiles, names: list[str], facts: TensorFacts, proble
     tensors = []
     for t, name in enumerate(names):
         kind = DTYPES[int(dtype[t])]
-        storage = tuple(int(x) for x in facts.extent[t])
+        storage = tuple(int(x) for x in (facts.extent[t] if facts.declared is None else facts.declared[t]))
         rank = int(ndim[t])
         shape = list(storage[:rank])
         unit = kind.bits // 8 if kind.bits % 8 == 0 else 1
@@ -415,7 +429,10 @@ def tensor_table(files: ShardFiles, names: list[str], facts: TensorFacts, proble
         tensors.append(Tensor(name, kind.name, tuple(shape), storage, unit))
         if t in broken:
             continue
-        if facts.misaligned[t]:
+        if facts.declared is not None and (facts.extent[t] > facts.declared[t]).any():
+            reach = [int(x) for x in facts.extent[t][:rank]]
+            problems.add(f"tensor {name!r} (shape {list(shape)}): a piece reaches past its shape, to {reach}", t)
+        elif facts.misaligned[t]:
             problems.add(f"tensor {name!r}: {kind.name} pieces are not cut on byte boundaries of the last dimension", t)
         elif math.prod(float(x) for x in storage) >= 2.0**62:
             problems.add(
@@ -463,13 +480,18 @@ def _assign_files(
     return result
 
 
-def _pack_shards(tensors: list[Tensor], assignment: list[str], max_shard_size: int) -> list[str]:
+def _pack_shards(tensors: list[Tensor], assignment: list[str], max_shard_size: int, saved_order: np.ndarray | None) -> list[str]:
     """Hugging Face's sharding: fill a file until the next tensor would exceed the limit.
 
-    Tensors are taken in their original file order, then natural name order; a tensor larger than
-    the limit gets a file of its own. Files are named ``model-IIIII-of-NNNNN.safetensors``.
+    Tensors are taken in the order they were saved when the checkpoint records it (``saved_order``),
+    else in their original file order, then natural name order; a tensor larger than the limit gets
+    a file of its own. Files are named ``model-IIIII-of-NNNNN.safetensors``, or ``model.safetensors``
+    when there is one.
     """
-    order = sorted(range(len(tensors)), key=lambda t: (assignment[t], natural_key(tensors[t].name)))
+    if saved_order is not None:
+        order = sorted(range(len(tensors)), key=lambda t: int(saved_order[t]))
+    else:
+        order = sorted(range(len(tensors)), key=lambda t: (assignment[t], natural_key(tensors[t].name)))
     shards: list[list[int]] = []
     current: list[int] = []
     current_size = 0
@@ -488,7 +510,7 @@ def _pack_shards(tensors: list[Tensor], assignment: list[str], max_shard_size: i
     result = [""] * len(tensors)
     for index, members in enumerate(shards, start=1):
         for t in members:
-            result[t] = output_name(index, len(shards))
+            result[t] = output_name(index, len(shards)) if len(shards) > 1 else SINGLE_FILE_NAME
     return result
 
 
@@ -525,6 +547,7 @@ def build_layout(
     split: str = "bytes",
     dtype: str | None = None,
     max_shard_size: int | None = None,
+    saved_order: np.ndarray | None = None,
     problems: Problems | None = None,
 ) -> Layout:
     """The layout for ``ranks`` writers. With strict ``problems`` (the default) the first problem is
@@ -544,7 +567,7 @@ def build_layout(
     tensors = [_converted(t, dtype) for t in tensor_table(files, names, facts, problems)]
     assignment = _assign_files(files, tensors, facts, mapping, problems)
     if max_shard_size is not None:
-        assignment = _pack_shards(tensors, assignment, max_shard_size)
+        assignment = _pack_shards(tensors, assignment, max_shard_size, saved_order)
     tensors, out_files = _layout(tensors, assignment)
     layout = Layout(list(files.names), tensors, out_files)
     layout.work = SPLITS[split](layout, ranks)

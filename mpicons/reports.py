@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -36,6 +37,13 @@ def human_bytes(count: float) -> str:
     return f"{int(count)} B"
 
 
-def count_of(n: int, noun: str) -> str:
-    """``1 file``, ``3 files``."""
-    return f"{n} {noun}{'' if n == 1 else 's'}"
+def count_of(n: int, noun: str, plural: str | None = None) -> str:
+    """``1 file``, ``3 files`` (``plural`` where adding an s will not do)."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def skipped_entries(names: Sequence[str], show: int = 5) -> str:
+    """``2 entries that are not tensors: a, b`` (the first ``show`` named)."""
+    more = f" and {len(names) - show} more" if len(names) > show else ""
+    counted = count_of(len(names), "entry that is not a tensor", "entries that are not tensors")
+    return f"{counted}: {', '.join(names[:show])}{more}"

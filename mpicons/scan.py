@@ -10,16 +10,21 @@ each piece to the ranks whose rows it crosses. No rank ever holds the whole piec
 from __future__ import annotations
 
 import ctypes
+import fnmatch
 import gc
 import hashlib
 import json
 import os
+import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
+from .distcp import DATA_SUFFIX, METADATA_NAME, DistcpTable, Item, locate, read_metadata
 from .errors import InputError
+from .format import DTYPES
 from .machine import host_name
 from .parallel import Comm, agree
 from .plan import (
@@ -36,7 +41,16 @@ from .plan import (
     piece_destinations,
     set_odd,
 )
-from .table import Pieces, ShardFiles, list_shards, missing_shards, read_headers, relabel, shard_files, to_storage_units
+from .table import (
+    Pieces,
+    ShardFiles,
+    list_shards,
+    missing_shards,
+    read_headers,
+    relabel,
+    shard_files,
+    to_storage_units,
+)
 
 #: Largest message per destination in one round of the piece exchange (MPI counts are C ints).
 EXCHANGE_LIMIT = 1 << 29
@@ -51,6 +65,10 @@ class Scanned:
     names: list[str]
     pieces: Pieces  # the pieces of the headers this rank read, storage units
     facts: TensorFacts
+    #: Entries that are not tensors (DCP's non-tensor items: step counters, loader state), skipped.
+    skipped: list[str] = field(default_factory=list)
+    #: Per tensor, its position in the state dict as saved, when the checkpoint records it (``.distcp``).
+    order: np.ndarray | None = None
 
     @property
     def shared(self) -> bool:
@@ -63,8 +81,27 @@ def rank_directory(input_dir: str, rank: int) -> str:
 
 
 def _listing(directory: str) -> tuple[list[str], list[int]]:
-    names = list_shards(directory, allow_empty=True)
+    """A directory's input files: ``*.safetensors``, ``*.distcp`` and ``.metadata`` (which of them is the
+    checkpoint is decided once every rank's listing is in: node-local disks may hold ``.metadata`` on one node)."""
+    names = list_shards(directory, allow_empty=True, suffixes=(".safetensors", DATA_SUFFIX))
+    if os.path.isfile(os.path.join(directory, METADATA_NAME)):
+        names.insert(0, METADATA_NAME)
     return names, [os.path.getsize(os.path.join(directory, n)) for n in names]
+
+
+def _inputs_of(
+    input_dir: str, names: list[str], sizes: list[int], holders: list[np.ndarray] | None
+) -> tuple[list[str], list[int], list[np.ndarray] | None]:
+    """The files of the checkpoint: with ``.metadata``, it and the ``.distcp`` files; else the ``.safetensors`` files."""
+    distcp = METADATA_NAME in names
+    keep = [i for i, n in enumerate(names) if (n == METADATA_NAME or n.endswith(DATA_SUFFIX)) == distcp]
+    if not keep:
+        if any(n.endswith(DATA_SUFFIX) for n in names):
+            raise InputError(
+                f"{input_dir}: holds .distcp data files but no {METADATA_NAME} (DCP writes it last: was the save interrupted?)"
+            )
+        raise InputError(f"{input_dir}: no *.safetensors files found" + ("" if holders is None else " on any rank"))
+    return [names[i] for i in keep], [sizes[i] for i in keep], None if holders is None else [holders[i] for i in keep]
 
 
 def discover(input_dir: str, comm: Comm) -> tuple[list[str], list[int], list[np.ndarray] | None]:
@@ -83,15 +120,10 @@ def discover(input_dir: str, comm: Comm) -> tuple[list[str], list[int], list[np.
     digests = comm.allgather(digest)
     if len({d for d in digests if d is not None}) == 1:
         names, sizes = comm.bcast(listing, root=0)
-        agree(comm, lambda: _nonempty(names, directory))
-        return names, sizes, None
+        return agree(comm, lambda: _inputs_of(directory, names, sizes, None))
     listings = comm.allgather(listing)
-    return agree(comm, lambda: _holders(input_dir, [listings[leader[r]] for r in range(comm.size)]))
-
-
-def _nonempty(names: list[str], directory: str) -> None:
-    if not names:
-        raise InputError(f"{directory}: no *.safetensors files found")
+    merged = agree(comm, lambda: _holders(input_dir, [listings[leader[r]] for r in range(comm.size)]))
+    return agree(comm, lambda: _inputs_of(input_dir, *merged))
 
 
 def _holders(input_dir: str, listings: list[tuple[list[str], list[int]]]) -> tuple[list[str], list[int], list[np.ndarray]]:
@@ -101,8 +133,6 @@ def _holders(input_dir: str, listings: list[tuple[list[str], list[int]]]) -> tup
         for name, size in zip(names, file_sizes):
             sizes.setdefault(name, {}).setdefault(size, []).append(rank)
     files = sorted(sizes)
-    if not files:
-        raise InputError(f"{input_dir}: no *.safetensors files found on any rank")
     for name in files:
         if len(sizes[name]) > 1:
             variants = "; ".join(f"{size} bytes on ranks {ranks}" for size, ranks in sorted(sizes[name].items()))
@@ -130,6 +160,8 @@ def _union(a: list[str], b: list[str]) -> list[str]:
 def scan(input_dir: str, comm: Comm) -> Scanned:
     """Find the shards and read every header once, split over ``comm``; the facts are the same on every rank."""
     names, sizes, holders = discover(input_dir, comm)
+    if METADATA_NAME in names:
+        return _scan_distcp(input_dir, comm, names, sizes, holders)
     files = shard_files(names, sizes, holders)
     readers = assign_readers(holders, len(names), comm.size)
     mine = np.flatnonzero(readers == comm.rank)
@@ -151,6 +183,166 @@ def scan(input_dir: str, comm: Comm) -> Scanned:
     del local
     release_memory()
     return Scanned(directory, files, tensor_names, pieces, facts)
+
+
+# ---------------------------------------------------------------- DCP's default format
+
+
+def _item_records(width: int) -> np.dtype:
+    return np.dtype(
+        [
+            ("tensor", "<i4"),
+            ("file", "<i4"),
+            ("dtype", "i1"),
+            ("ndim", "i1"),
+            ("item_offset", "<i8"),
+            ("item_length", "<i8"),
+            ("shape", "<i8", (width,)),
+            ("offset", "<i8", (width,)),
+        ]
+    )
+
+
+def _read_distcp_metadata(directory: str, listed: list[str]) -> DistcpTable:
+    table = read_metadata(os.path.join(directory, METADATA_NAME))
+    present = set(listed)
+    for name in table.files:
+        if name not in present:
+            raise InputError(f"{os.path.join(directory, METADATA_NAME)}: names data file {name!r}, which no rank sees")
+    return table
+
+
+def _scan_distcp(input_dir: str, comm: Comm, names: list[str], sizes: list[int], holders: list[np.ndarray] | None) -> Scanned:
+    """``.metadata`` read by one rank that sees it; each piece sent to the reader of its data file, which
+    finds the piece's bytes inside its item (``torch.save`` archive or safetensors blob)."""
+    directory = rank_directory(input_dir, comm.rank)
+    meta = names.index(METADATA_NAME)
+    owner = 0 if holders is None else int(holders[meta][0])
+    table = agree(comm, lambda: _read_distcp_metadata(directory, names) if comm.rank == owner else None)
+    tensors: Any = comm.bcast(
+        None if table is None else (table.names, table.order, table.dtype, table.size, table.ndim, table.skipped, table.files),
+        root=owner,
+    )
+    tensor_names, order, dtype, size, ndim, skipped, data_files = tensors
+    listed = [names.index(f) for f in data_files]
+    data_holders = None if holders is None else [holders[i] for i in listed]
+    readers = assign_readers(data_holders, len(data_files), comm.size)
+    width = size.shape[1]
+    records = np.empty(0 if table is None else len(table.tensor), dtype=_item_records(width))
+    if table is not None:
+        for column in ("tensor", "file", "item_offset", "item_length", "shape", "offset"):
+            records[column] = getattr(table, column)
+        records["dtype"], records["ndim"] = table.dtype[table.tensor], table.ndim[table.tensor]
+    destination = readers[records["file"]] if len(records) else np.zeros(0, dtype=np.int32)
+    del table
+    mine = exchange(comm, records, destination)
+    del records
+    begins = agree(comm, lambda: _locate_items(directory, data_files, tensor_names, mine))
+    pieces = Pieces(
+        tensor=mine["tensor"].copy(),
+        file=mine["file"].copy(),
+        dtype=mine["dtype"].copy(),
+        ndim=mine["ndim"].copy(),
+        shape=mine["shape"].reshape(len(mine), width).copy(),
+        offset=mine["offset"].reshape(len(mine), width).copy(),
+        begin=begins,
+        holder=np.full(len(mine), comm.rank, dtype=np.int32),
+    )
+    files = _distcp_files(data_files, [sizes[i] for i in listed], data_holders)
+    misaligned = to_storage_units(pieces)
+    facts = reduce_facts(comm, pieces, len(tensor_names), width, piece_destinations(files), misaligned)
+    never = np.flatnonzero(facts.count == 0)  # tensors with no stored piece: the metadata's dtype and rank
+    facts.dtype_first[never], facts.ndim_first[never], facts.dest_first[never] = dtype[never], ndim[never], 0
+    facts.declared = size
+    release_memory()
+    return Scanned(directory, files, tensor_names, pieces, facts, skipped=list(skipped), order=order)
+
+
+_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+
+
+def _distcp_files(names: list[str], sizes: list[int], holders: list[np.ndarray] | None) -> ShardFiles:
+    files = shard_files(names, sizes, holders)
+    files.source_format = "distcp"
+    for i, name in enumerate(names):  # __R_N.distcp: written by training rank R (shown by inspect, relied on by nothing)
+        match = _DATA_FILE.match(name)
+        files.train_rank[i] = int(match.group(1)) if match and int(match.group(1)) < 2**31 else -1
+    return files
+
+
+def _locate_items(directory: str, data_files: list[str], names: list[str], records: np.ndarray) -> np.ndarray:
+    """Where each received piece's bytes begin in its data file (one pass over each file's items)."""
+    begins = np.zeros(len(records), dtype=np.int64)
+    for f in np.unique(records["file"]):
+        at = np.flatnonzero(records["file"] == f)
+        items = [
+            Item(
+                names[int(r["tensor"])],
+                DTYPES[int(r["dtype"])].name,
+                tuple(int(x) for x in r["shape"][: r["ndim"]]),
+                tuple(int(x) for x in r["offset"][: r["ndim"]]),
+                int(r["item_offset"]),
+                int(r["item_length"]),
+            )
+            for r in records[at]
+        ]
+        begins[at] = locate(os.path.join(directory, data_files[int(f)]), items)
+    return begins
+
+
+# ---------------------------------------------------------------- choosing tensors
+
+
+def select(
+    scanned: Scanned, include: Sequence[str] = (), exclude: Sequence[str] = (), strip_prefix: str | None = None
+) -> Scanned:
+    """Keep the tensors whose names match an ``include`` glob (all, when none is given) and no
+    ``exclude`` glob; then remove ``strip_prefix`` from the names that start with it. Pure: every
+    rank computes the same from the same names."""
+    if not include and not exclude and not strip_prefix:
+        return scanned
+    names = scanned.names
+    keep = [
+        t
+        for t, name in enumerate(names)
+        if (not include or any(fnmatch.fnmatchcase(name, g) for g in include))
+        and not any(fnmatch.fnmatchcase(name, g) for g in exclude)
+    ]
+    if not keep:
+        raise InputError(f"{scanned.directory}: the --include/--exclude patterns leave none of the {len(names)} tensors")
+    renamed = [names[t][len(strip_prefix) :] if strip_prefix and names[t].startswith(strip_prefix) else names[t] for t in keep]
+    seen: dict[str, int] = {}
+    for t, new in zip(keep, renamed):
+        if not new:
+            raise InputError(f"--strip-prefix {strip_prefix!r}: tensor {names[t]!r} would have no name left")
+        if new in seen:
+            raise InputError(
+                f"--strip-prefix {strip_prefix!r}: tensors {names[seen[new]]!r} and {names[t]!r} would both be {new!r}"
+            )
+        seen[new] = t
+    ordered = sorted(range(len(keep)), key=lambda i: renamed[i])
+    old = np.array([keep[i] for i in ordered], dtype=np.int64)
+    new_id = np.full(len(names), -1, dtype=np.int32)
+    new_id[old] = np.arange(len(old), dtype=np.int32)
+    pieces = scanned.pieces
+    kept = new_id[pieces.tensor] >= 0 if len(pieces) else np.zeros(0, dtype=bool)
+    pieces = pieces.take(np.flatnonzero(kept))
+    pieces.tensor = new_id[pieces.tensor]
+    facts = scanned.facts
+    per_tensor = {
+        f: getattr(facts, f)[old]
+        for f in ("count", "extent", "volume", "misaligned", "dtype_first", "ndim_first", "dest_first")
+        + TensorFacts.ODD
+        + ("declared",)
+        if getattr(facts, f) is not None
+    }
+    return replace(
+        scanned,
+        names=[renamed[i] for i in ordered],
+        pieces=pieces,
+        facts=replace(facts, **per_tensor),
+        order=None if scanned.order is None else scanned.order[old],
+    )
 
 
 def release_memory() -> None:

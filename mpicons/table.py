@@ -56,6 +56,8 @@ class ShardFiles:
     is_dcp: np.ndarray  # bool[F], its header carries DCP_SHARDING_INFO
     #: Ranks that can read each file; None when every rank can (a shared filesystem).
     holders: list[np.ndarray] | None = None
+    #: ``safetensors`` (DCP's Hugging Face layout, or plain files) or ``distcp`` (DCP's default format).
+    source_format: str = "safetensors"
 
     def __len__(self) -> int:
         return len(self.names)
@@ -404,15 +406,15 @@ def read_headers(directory: str, names: Sequence[str], file_ids: Sequence[int], 
     )
 
 
-def list_shards(input_dir: str, allow_empty: bool = False) -> list[str]:
-    """The ``*.safetensors`` files directly in ``input_dir``, sorted by name."""
+def list_shards(input_dir: str, allow_empty: bool = False, suffixes: tuple[str, ...] = (".safetensors",)) -> list[str]:
+    """The ``*.safetensors`` files (or files with other ``suffixes``) directly in ``input_dir``, sorted by name."""
     if not os.path.isdir(input_dir):
         raise InputError(f"{input_dir}: input directory does not exist or is not a directory")
     try:
         names = sorted(
             entry.name
             for entry in os.scandir(input_dir)
-            if entry.name.endswith(".safetensors") and not entry.name.startswith(".") and entry.is_file()
+            if entry.name.endswith(suffixes) and not entry.name.startswith(".") and entry.is_file()
         )
     except OSError as exc:
         raise InputError(f"{input_dir}: cannot list input directory ({exc.strerror})") from None

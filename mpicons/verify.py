@@ -12,6 +12,7 @@ import ast
 import json
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,10 +26,10 @@ from .exchange import ExchangeWriter
 from .format import DTYPE_BY_NAME, Header, read_header
 from .outdir import LOCK_NAME, STAGING_PREFIX, Holder, plain_file_name
 from .parallel import Comm, agree, agree_on
-from .plan import INDEX_NAME, OUTPUT_METADATA, Layout, Part, build_layout
+from .plan import INDEX_NAME, OUTPUT_METADATA, SINGLE_FILE_NAME, Layout, Part, build_layout
 from .reports import Problem, human_bytes
 from .reports import count_of as _count
-from .scan import Scanned, distribute, scan
+from .scan import Scanned, distribute, scan, select
 from .sources import SourceFiles
 from .table import DCP_SHARD_NAME
 
@@ -180,7 +181,8 @@ def _list_output(output_dir: str) -> _Listing:
     total_size: int | None = None
     obj: object = None
     if not os.path.lexists(index_path):
-        problems.append(_problem(index_path, None, "index is missing (the checkpoint is incomplete)"))
+        if found != [SINGLE_FILE_NAME]:  # a lone model.safetensors needs no index (Hugging Face writes none)
+            problems.append(_problem(index_path, None, "index is missing (the checkpoint is incomplete)"))
     else:
         try:
             obj = read_index(output_dir)
@@ -544,6 +546,9 @@ def verify(
     comm: object | None = None,
     buffer_size: int = DEFAULT_BUFFER_SIZE,
     dtype: str | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    strip_prefix: str | None = None,
 ) -> VerifyReport:
     """Check the consolidated checkpoint in ``output_dir``; with ``against``, every tensor against the shards.
 
@@ -557,6 +562,8 @@ def verify(
         buffer_size: bytes of buffers per rank for the comparison (as for consolidate).
         dtype: the output was written with this ``--dtype``; the shards are converted the same way
             before comparing.
+        include, exclude, strip_prefix: the output was written with this tensor selection
+            (:class:`~mpicons.options.Options`): the shards are selected and renamed alike.
 
     Problems with the checkpoint are collected in the returned :class:`VerifyReport` (the same on
     every rank), not raised. :class:`InputError` is raised on every rank when the arguments are
@@ -583,7 +590,7 @@ def verify(
         total_bytes=sum(w.nbytes for w in located.values()),
     )
     if against is not None:
-        scanned = scan(against, comm)
+        scanned = select(scan(against, comm), include, exclude, strip_prefix)
         layout = agree(comm, lambda: build_layout(scanned.files, scanned.names, scanned.facts, comm.size, dtype=dtype))
         part = distribute(comm, scanned, layout)
         comparable, more = _against_checks(layout, against, output_dir, listing, results, located)

@@ -1,0 +1,382 @@
+"""DCP's default format (``.metadata`` + ``.distcp``), read without torch.
+
+The fixtures were written by torch (tests/fixtures/distcp/README.md); the expected tensors are
+torch's own. Serial tests read them and break them; the MPI tests consolidate them at 1-4 ranks
+and compare every output byte with safetensors' serializer.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import struct
+import zipfile
+from pathlib import Path
+
+import pytest
+from helpers import (
+    DISTCP_FIXTURES,
+    DISTCP_NAMES,
+    Tensors,
+    assert_consolidated,
+    cli,
+    load_tensors,
+    reference_bytes,
+)
+from mpi4py import MPI
+
+import mpicons
+from mpicons.distcp import read_metadata
+from mpicons.errors import InputError
+from mpicons.format import DTYPES
+
+TORCH_SAVE = "dtypes-2ranks"
+SAFETENSORS = "dtypes-2ranks-safetensors"
+
+
+# ---------------------------------------------------------------- an independent look at the metadata
+
+
+class _Stub:
+    """Anything the pickle names: keeps its state and arguments (the test's own reading, not mpicons')."""
+
+    def __init__(self, *args: object) -> None:
+        self.args = args
+
+    def __setstate__(self, state: object) -> None:
+        self.state = state
+
+
+class _Permissive(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> type:
+        if (module, name) == ("torch", "Size"):
+            return tuple  # type: ignore[return-value]
+        return type(name, (_Stub,), {"module": module})
+
+
+def saved_order(fixture: str) -> tuple[list[str], list[str]]:
+    """(tensor names in the order they were saved, non-tensor names), read with a permissive unpickler."""
+    with open(DISTCP_FIXTURES / fixture / "dcp" / ".metadata", "rb") as handle:
+        metadata = _Permissive(handle).load().state
+    entries = metadata["state_dict_metadata"]
+    tensors = [n for n in metadata["planner_data"] if type(entries[n]).__name__ == "TensorStorageMetadata"]
+    return tensors, sorted(n for n in entries if type(entries[n]).__name__ == "BytesStorageMetadata")
+
+
+def expected(fixture: str) -> Tensors:
+    return load_tensors(DISTCP_FIXTURES / fixture / "expected" / "full.safetensors")
+
+
+def hf_shards(order: list[str], tensors: Tensors, max_size: int) -> dict[str, str]:
+    """Hugging Face's greedy sharding (huggingface_hub's split_state_dict_into_shards) of ``order``."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    size = 0
+    for name in order:
+        nbytes = len(tensors[name][2])
+        if nbytes > max_size:
+            shards.append([name])
+            continue
+        if current and size + nbytes > max_size:
+            shards.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        shards.append(current)
+    if len(shards) == 1:
+        return dict.fromkeys(shards[0], "model.safetensors")
+    return {n: f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i, shard in enumerate(shards, 1) for n in shard}
+
+
+def copy_fixture(fixture: str, tmp_path: Path) -> Path:
+    target = tmp_path / fixture
+    shutil.copytree(DISTCP_FIXTURES / fixture / "dcp", target)
+    for path in target.iterdir():
+        path.chmod(0o644)
+    return target
+
+
+# ---------------------------------------------------------------- reading
+
+
+@pytest.mark.parametrize("fixture", DISTCP_NAMES)
+def test_metadata_is_read_without_torch(fixture: str) -> None:
+    table = read_metadata(str(DISTCP_FIXTURES / fixture / "dcp" / ".metadata"))
+    order, non_tensors = saved_order(fixture)
+    tensors = expected(fixture)
+    assert table.names == sorted(tensors) == sorted(order)
+    assert [table.names[t] for t in sorted(range(len(table.names)), key=lambda t: table.order[t])] == order
+    assert table.skipped == non_tensors
+    for t, name in enumerate(table.names):
+        dtype, shape, _ = tensors[name]
+        assert (DTYPES[table.dtype[t]].name, list(table.size[t][: table.ndim[t]])) == (dtype, shape)
+
+
+def test_the_fixtures_cover_every_dtype_dcp_writes() -> None:
+    dtypes = {dtype for fixture in DISTCP_NAMES for dtype, _, _ in expected(fixture).values()}
+    assert dtypes >= {"BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "I64", "I32", "I16", "I8", "U8", "BOOL"}
+    assert dtypes >= {"U16", "U32", "U64", "C64"}
+
+
+class _Payload:
+    """Pickles to a call of ``function(*args)``: what a hostile ``.metadata`` would hold."""
+
+    def __init__(self, function: object, *args: object) -> None:
+        self.function, self.args = function, args
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return self.function, self.args
+
+
+def _hostile(marker: Path) -> dict[str, bytes]:
+    touch = f"touch {marker}"
+    return {
+        "os.system": pickle.dumps(_Payload(os.system, touch), protocol=0),
+        "eval (protocol 4)": pickle.dumps(_Payload(eval, f"open({str(marker)!r}, 'w')"), protocol=4),
+        "subprocess": pickle.dumps(_Payload(__import__("subprocess").call, ["touch", str(marker)]), protocol=2),
+        "nested in a dict": pickle.dumps({"state_dict_metadata": _Payload(os.system, touch)}, protocol=4),
+        "torch.load": b"\x80\x04\x8c\x05torch\x8c\x04load\x93\x8c\x01x\x85R.",
+        "persistent id": b"\x80\x02X\x01\x00\x00\x00xQ.",
+        "not a pickle": b"\x00\x01 definitely not a pickle",
+        "truncated": pickle.dumps({"a": [1, 2, 3]}, protocol=4)[:-5],
+        "a plain dict": pickle.dumps({"state_dict_metadata": {}}, protocol=4),
+    }
+
+
+@pytest.mark.parametrize("case", list(_hostile(Path("x"))))
+def test_a_hostile_metadata_is_refused_and_nothing_in_it_runs(tmp_path: Path, case: str) -> None:
+    marker = tmp_path / "ran"
+    checkpoint = copy_fixture("fsdp-3ranks", tmp_path)
+    (checkpoint / ".metadata").write_bytes(_hostile(marker)[case])
+    with pytest.raises(InputError) as error:
+        read_metadata(str(checkpoint / ".metadata"))
+    assert ".metadata" in str(error.value)
+    proc, _ = cli(1, "consolidate", checkpoint, tmp_path / "out")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("mpicons: error:") == 1 and "Traceback" not in proc.stderr
+    if case in ("os.system", "eval (protocol 4)", "subprocess", "nested in a dict", "torch.load"):
+        assert "unsupported" in proc.stderr and "refused without running anything" in proc.stderr
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def _replace_item(checkpoint: Path, members: dict[str, bytes], compress: int = zipfile.ZIP_STORED) -> None:
+    """Rewrite the one item of a one-tensor checkpoint as an archive of ``members``, padded to the recorded length."""
+    data_file = checkpoint / "__0_0.distcp"
+    length = data_file.stat().st_size
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=compress) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+    blob = buffer.getvalue()
+    assert len(blob) <= length - 22
+    # The archive's comment pads it to the item's recorded length (EOCD stays at the item's end).
+    comment = b"x" * (length - len(blob))
+    assert struct.unpack("<H", blob[-2:])[0] == 0
+    data_file.write_bytes(blob[:-2] + struct.pack("<H", len(comment)) + comment)
+
+
+def _data_pkl(pickled_storage: str, offset: int, size: tuple[int, ...], stride: tuple[int, ...], numel: int = 12) -> bytes:
+    """A ``torch.save``-style data.pkl rebuilding a tensor (written opcode by opcode, no torch)."""
+
+    def ints(values: tuple[int, ...]) -> bytes:
+        return b"(" + b"".join(b"K" + bytes([v]) for v in values) + b"t"
+
+    return (
+        b"\x80\x02ctorch._utils\n_rebuild_tensor_v2\n(("
+        + b"X\x07\x00\x00\x00storage"
+        + f"ctorch\n{pickled_storage}\n".encode()
+        + b"X\x01\x00\x00\x000X\x03\x00\x00\x00cpuK"
+        + bytes([numel])
+        + b"tQ"
+        + b"K"
+        + bytes([offset])
+        + ints(size)
+        + ints(stride)
+        + b"\x89ccollections\nOrderedDict\n)RtR."
+    )
+
+
+@pytest.mark.parametrize(
+    "case, phrase",
+    [
+        ("transposed as saved", "not row-major"),
+        ("hostile data.pkl", "refused without running anything"),
+        ("compressed storage", "compressed"),
+        ("wrong dtype", "the archive holds F64, the metadata says F32"),
+        ("wrong shape", "the archive holds shape [3, 4], the metadata says [4, 3]"),
+        ("offset storage", None),
+        ("not an archive", "neither a torch.save archive nor a safetensors blob"),
+        ("truncated", "runs past the end"),
+    ],
+)
+def test_an_item_that_is_not_what_the_metadata_says_is_named(tmp_path: Path, case: str, phrase: str | None) -> None:
+    """The ``transposed`` fixture: one F32 tensor [4, 3] that torch saved with strides (1, 4)."""
+    checkpoint = copy_fixture("transposed", tmp_path)
+    values = struct.pack("<12f", *range(12))
+    if case == "hostile data.pkl":
+        _replace_item(checkpoint, {"archive/data.pkl": pickle.dumps(_Payload(os.system, "true")), "archive/data/0": values})
+    elif case == "compressed storage":
+        members = {"archive/data.pkl": _data_pkl("FloatStorage", 0, (4, 3), (3, 1)), "archive/data/0": values}
+        _replace_item(checkpoint, members, zipfile.ZIP_DEFLATED)
+    elif case == "wrong dtype":
+        members = {"archive/data.pkl": _data_pkl("DoubleStorage", 0, (4, 3), (3, 1)), "archive/data/0": values * 2}
+        _replace_item(checkpoint, members)
+    elif case == "wrong shape":  # same element count, other shape: [3, 4]
+        _replace_item(checkpoint, {"archive/data.pkl": _data_pkl("FloatStorage", 0, (3, 4), (4, 1)), "archive/data/0": values})
+    elif case == "offset storage":  # a view at element 2 of a 14-element storage: read exactly
+        storage = struct.pack("<2f", -1, -1) + values
+        _replace_item(
+            checkpoint, {"archive/data.pkl": _data_pkl("FloatStorage", 2, (4, 3), (3, 1), numel=14), "archive/data/0": storage}
+        )
+    elif case == "not an archive":
+        data = bytearray((checkpoint / "__0_0.distcp").read_bytes())
+        data[:4] = b"JUNK"
+        (checkpoint / "__0_0.distcp").write_bytes(bytes(data))
+    elif case == "truncated":
+        os.truncate(checkpoint / "__0_0.distcp", 1000)
+    out = tmp_path / "out"
+    proc, _ = cli(1, "consolidate", checkpoint, out, "-q")
+    if phrase is None:
+        assert proc.returncode == 0, proc.stderr
+        got = load_tensors(out / "model.safetensors")
+        assert got == {"weight": ("F32", [4, 3], values)}
+        return
+    assert proc.returncode == 2, proc.stderr
+    error = [line for line in proc.stderr.splitlines() if line.startswith("mpicons: error:")]
+    assert len(error) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "__0_0.distcp" in error[0] and "'weight'" in error[0] and phrase in error[0], error[0]
+
+
+def test_a_data_file_no_rank_sees_is_named(tmp_path: Path) -> None:
+    checkpoint = copy_fixture("fsdp-3ranks", tmp_path)
+    (checkpoint / "__1_0.distcp").unlink()
+    proc, _ = cli(2, "consolidate", checkpoint, tmp_path / "out")
+    assert proc.returncode == 2
+    assert "names data file '__1_0.distcp', which no rank sees" in proc.stderr
+
+
+def test_non_tensor_entries_are_skipped_and_listed(tmp_path: Path) -> None:
+    fixture = "tp2d-4ranks-optim"
+    proc, _ = cli(1, "consolidate", DISTCP_FIXTURES / fixture / "dcp", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped 1 entry that is not a tensor: optim.step" in proc.stdout
+    tensors = expected(fixture)
+    assert_consolidated(tmp_path / "out", tensors, dict.fromkeys(tensors, "model.safetensors"))
+    report = tmp_path / "inspect.json"
+    proc, _ = cli(1, "inspect", DISTCP_FIXTURES / fixture / "dcp", "--json", report)
+    assert proc.returncode == 0, proc.stderr
+    described = json.loads(report.read_text())
+    assert described["skipped"] == ["optim.step"] and described["format"] == "distcp"
+    assert "optim.step" in proc.stdout
+
+
+def test_include_exclude_and_strip_prefix_choose_and_rename(tmp_path: Path) -> None:
+    fixture = "tp2d-4ranks-optim"
+    out = tmp_path / "out"
+    args = ["--include", "model.*", "--include", "lm_head.*", "--exclude", "*norm*", "--strip-prefix", "model."]
+    proc, _ = cli(2, "consolidate", DISTCP_FIXTURES / fixture / "dcp", out, "-q", *args)
+    assert proc.returncode == 0, proc.stderr
+    chosen = {
+        (name[len("model.") :] if name.startswith("model.") else name): value
+        for name, value in expected(fixture).items()
+        if (name.startswith("model.") or name.startswith("lm_head.")) and "norm" not in name
+    }
+    assert chosen and not any(name.startswith("optim.") for name in chosen)
+    assert_consolidated(out, chosen, dict.fromkeys(chosen, "model.safetensors"))
+    assert (out / "model.safetensors").read_bytes() == reference_bytes(chosen)
+
+
+@pytest.mark.parametrize(
+    "args, phrase",
+    [
+        (["--include", "nothing.*"], "leave none of the 63 tensors"),
+        (["--include", "lm_head.weight", "--strip-prefix", "lm_head.weight"], "would have no name left"),
+        (["--strip-prefix", ""], "--strip-prefix must be a non-empty string"),
+    ],
+)
+def test_selection_mistakes_are_bad_input(tmp_path: Path, args: list[str], phrase: str) -> None:
+    proc, _ = cli(1, "consolidate", DISTCP_FIXTURES / "tp2d-4ranks-optim" / "dcp", tmp_path / "out", "-q", *args)
+    assert proc.returncode == 2 and phrase in proc.stderr, proc.stderr
+
+
+def test_names_that_a_stripped_prefix_makes_equal_are_bad_input(tmp_path: Path) -> None:
+    """Selection works on every input format: here two plain safetensors files."""
+    shards = tmp_path / "plain"
+    shards.mkdir()
+    (shards / "a.safetensors").write_bytes(reference_bytes({"model.w": ("F32", [2], bytes(8))}))
+    (shards / "b.safetensors").write_bytes(reference_bytes({"w": ("F32", [2], bytes(8))}))
+    proc, _ = cli(1, "consolidate", shards, tmp_path / "out", "--strip-prefix", "model.")
+    assert proc.returncode == 2
+    assert "tensors 'model.w' and 'w' would both be 'w'" in proc.stderr, proc.stderr
+    proc, _ = cli(1, "consolidate", shards, tmp_path / "out", "--strip-prefix", "model.", "--exclude", "w", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert load_tensors(tmp_path / "out" / "a.safetensors") == {"w": ("F32", [2], bytes(8))}
+
+
+def test_sharded_like_save_pretrained(tmp_path: Path) -> None:
+    """No names to follow: Hugging Face's sharding, in the order the tensors were saved."""
+    fixture = "fsdp-3ranks"
+    tensors = expected(fixture)
+    order, _ = saved_order(fixture)
+    out = tmp_path / "out"
+    proc, _ = cli(1, "consolidate", DISTCP_FIXTURES / fixture / "dcp", out, "-q", "--max-shard-size", "100KB")
+    assert proc.returncode == 0, proc.stderr
+    weight_map = hf_shards(order, tensors, 100_000)
+    assert len(set(weight_map.values())) > 2
+    assert_consolidated(out, tensors, weight_map)
+
+
+def test_verify_against_a_distcp_checkpoint(tmp_path: Path) -> None:
+    dcp = DISTCP_FIXTURES / TORCH_SAVE / "dcp"
+    out = tmp_path / "out"
+    assert cli(1, "consolidate", dcp, out, "-q")[0].returncode == 0
+    good, _ = cli(2, "verify", out, "--against", dcp)
+    assert good.returncode == 0, good.stdout + good.stderr
+    data = bytearray((out / "model.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (out / "model.safetensors").write_bytes(bytes(data))
+    bad, _ = cli(2, "verify", out, "--against", dcp)
+    assert bad.returncode == 1 and "differs from the shards" in bad.stdout, bad.stdout
+
+
+# ---------------------------------------------------------------- consolidation at 1-4 ranks
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("fixture", DISTCP_NAMES)
+@pytest.mark.parametrize("split, io, buffer_size", [("bytes", "posix", 1 << 10), ("files", "mpiio", 1 << 20)])
+def test_distcp_consolidates_to_reference_bytes(fixture: str, split: str, io: str, buffer_size: int, mpi_tmp_path: Path) -> None:
+    out = mpi_tmp_path / "out"
+    result = mpicons.consolidate(
+        DISTCP_FIXTURES / fixture / "dcp", out, comm=MPI.COMM_WORLD, split=split, io=io, buffer_size=buffer_size
+    )
+    tensors = expected(fixture)
+    assert result.files == ["model.safetensors"] and result.index_file == ""
+    assert result.skipped == saved_order(fixture)[1]
+    assert_consolidated(out, tensors, dict.fromkeys(tensors, "model.safetensors"))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("fixture", ["fsdp-3ranks", SAFETENSORS])
+def test_distcp_on_node_local_disks(fixture: str, mpi_tmp_path: Path) -> None:
+    """Data files spread over per-rank directories; only rank 0's has ``.metadata``."""
+    comm = MPI.COMM_WORLD
+    source = DISTCP_FIXTURES / fixture / "dcp"
+    if comm.rank == 0:
+        data_files = sorted(p for p in source.iterdir() if p.suffix == ".distcp")
+        for rank in range(comm.size):
+            (mpi_tmp_path / f"local-{rank}").mkdir()
+        shutil.copy(source / ".metadata", mpi_tmp_path / "local-0" / ".metadata")
+        for i, path in enumerate(data_files):
+            shutil.copy(path, mpi_tmp_path / f"local-{(i + 1) % comm.size}" / path.name)
+    comm.Barrier()
+    out = mpi_tmp_path / "out"
+    result = mpicons.consolidate(str(mpi_tmp_path / "local-{rank}"), out, comm=comm)
+    tensors = expected(fixture)
+    assert result.shared_input == (comm.size == 1)
+    assert_consolidated(out, tensors, dict.fromkeys(tensors, "model.safetensors"))
