@@ -140,6 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="write the built-in sample sharded checkpoint and consolidate it")
     demo.add_argument("directory", nargs="?", default="mpicons-demo", help="work directory (default: %(default)s)")
     demo.add_argument("--size", type=parse_size, default=0, help="approximate checkpoint size, e.g. 1GB (default: small)")
+    demo.add_argument(
+        "--distcp",
+        nargs="?",
+        const="torch_save",
+        choices=("torch_save", "safetensors"),
+        help="write the sample in DCP's default format (.metadata + .distcp; serialization torch_save unless named) "
+        "instead of DCP's Hugging Face layout",
+    )
     _add_job_options(demo)
     demo.set_defaults(func=_cmd_demo)
 
@@ -376,14 +384,15 @@ def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
 
     _check_report_paths(comm, args.stats_json)
     config = SampleConfig.sized(args.size) if args.size else SampleConfig()
-    sharded = os.path.join(args.directory, "sharded")
+    sharded = os.path.join(args.directory, "sharded" if args.distcp is None else f"distcp-{args.distcp}")
     output = os.path.join(args.directory, "consolidated")
     if comm.rank == 0 and not args.quiet:
+        kind = "" if args.distcp is None else f" in DCP's .distcp format ({args.distcp})"
         say(
-            f"mpicons demo: writing a sample checkpoint ({config.layers} layers, hidden {config.hidden}, "
+            f"mpicons demo: writing a sample checkpoint{kind} ({config.layers} layers, hidden {config.hidden}, "
             f"{config.dp}x{config.tp} training mesh) to {sharded}"
         )
-    write_sample(sharded, config, comm)
+    write_sample(sharded, config, comm, distcp=args.distcp)
     result = consolidate(sharded, output, job_options(args), comm=comm, force=True)
     _print_result(args, comm, result)
     write_report(comm, args.stats_json, lambda: _stats_report(result))

@@ -1,4 +1,5 @@
-"""A built-in sample: a small Llama-shaped model saved the way torch's DCP HF writer saves it.
+"""A built-in sample: a small Llama-shaped model saved the way torch's DCP saves it, in its Hugging
+Face layout (``shard-*.safetensors``) or in its default format (``.metadata`` + ``__R_0.distcp``).
 
 Training ranks form a ``dp × tp`` mesh. Tensors are cut the ways real trainers cut them:
 rows over every rank (FSDP), nested rows (colwise TP + FSDP), a 2-D grid (rowwise TP + FSDP),
@@ -9,8 +10,10 @@ the expected full tensors can be regenerated at any time (:func:`full_tensor`).
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import zipfile
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -19,13 +22,17 @@ from typing import Any
 import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
 import numpy as np
 
+from ._pickling import Call, Global, Obj, PersistentId, dumps
 from .comm import as_communicator
+from .distcp import METADATA_NAME, SHARDING_KEY, STORAGE_DTYPES
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, build_header
-from .parallel import agree
-from .plan import output_name
+from .parallel import agree, agree_on
+from .plan import INDEX_NAME, SINGLE_FILE_NAME, output_name
 from .table import shard_file_name
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
+#: (tensor name, chunk offsets; None for a non-tensor entry) → (data file, item offset, item length, chunk size)
+ItemIndex = dict[tuple[str, "tuple[int, ...] | None"], tuple[str, int, int, tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
@@ -243,29 +250,201 @@ def write_sample(
     config: SampleConfig | None = None,
     comm: object | None = None,
     keep: Callable[[str, str], bool] | None = None,
+    distcp: str | None = None,
 ) -> list[str]:
     """Write the sample sharded checkpoint into ``directory`` (split over ``comm`` if given).
 
-    Returns the shard file names. With a communicator, output files are dealt to ranks.
-    ``keep(name, dtype)`` selects tensors (e.g. floats only, for consolidators that need that).
+    Parameters:
+        directory: created if missing.
+        config: the model and training mesh (default: a small Llama).
+        comm: write with these ranks (output files, or training ranks, dealt to them).
+        keep: ``keep(name, dtype)`` selects tensors (e.g. floats only, for consolidators that need that).
+        distcp: None for DCP's Hugging Face layout (``shard-RRRRR-model-IIIII-of-NNNNN.safetensors``);
+            ``"torch_save"`` or ``"safetensors"`` for DCP's default format with that serialization
+            (``.metadata`` and one ``__R_0.distcp`` per training rank, plus a non-tensor entry).
+
+    Returns the names of the files written.
     """
     c = config or SampleConfig()
     directory = os.fspath(directory)
     comm = as_communicator(comm) if comm is not None else None
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+    chosen = keep or (lambda name, dtype: True)
 
-    def work() -> None:
+    def work() -> list[ItemIndex]:
         os.makedirs(directory, exist_ok=True)
+        if distcp is not None:
+            return [_write_distcp_ranks(directory, c, range(rank, c.world, size), chosen, distcp)]
         for index in range(1 + rank, c.files + 1, size):
-            for train_rank, pieces in _pieces_of_file(c, index, keep or (lambda name, dtype: True)):
+            for train_rank, pieces in _pieces_of_file(c, index, chosen):
                 if pieces:
                     _write_shard(os.path.join(directory, shard_file_name(train_rank + 1, index, c.files)), pieces)
+        return []
 
-    if comm is None:
-        work()
-    else:
-        agree(comm, work)
-    return sorted(n for n in os.listdir(directory) if n.startswith("shard-"))
+    items = work() if comm is None else [part for parts in agree(comm, work, gather=True) for part in parts]
+
+    def write_metadata() -> None:  # written last, as DCP does
+        everything = {key: value for part in items for key, value in part.items()}
+        with open(os.path.join(directory, METADATA_NAME), "wb") as handle:
+            handle.write(_metadata_pickle(c, chosen, everything))
+
+    if distcp is not None:
+        if comm is None:
+            write_metadata()
+        else:
+            agree_on(comm, 0, write_metadata)
+    return sorted(n for n in os.listdir(directory) if n.startswith(("shard-", "__", ".metadata")))
+
+
+# ---------------------------------------------------------------- DCP's default format
+
+NON_TENSOR_ENTRY = "train.step"
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_LEGACY_STORAGE = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
+
+
+def _size(dims: tuple[int, ...]) -> Call:
+    return Call(Global("torch", "Size"), (tuple(int(d) for d in dims),))
+
+
+def _tensor_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
+    """``data.pkl`` of ``torch.save`` of a contiguous tensor: legacy typed storages where torch uses them."""
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    stride = tuple(reversed(strides))
+    numel = int(np.prod(shape, dtype=np.int64))
+    hooks = Call(Global("collections", "OrderedDict"))
+    legacy = _LEGACY_STORAGE.get(dtype)
+    if legacy is not None:
+        storage = PersistentId(("storage", Global("torch", legacy), "0", "cpu", numel))
+        return dumps(Call(Global("torch._utils", "_rebuild_tensor_v2"), (storage, 0, tuple(shape), stride, False, hooks)))
+    storage = PersistentId(
+        ("storage", Global("torch.storage", "UntypedStorage"), "0", "cpu", numel * DTYPE_BY_NAME[dtype].bits // 8)
+    )
+    dtype_global = Global("torch", str(DTYPE_BY_NAME[dtype].torch))
+    return dumps(
+        Call(Global("torch._utils", "_rebuild_tensor_v3"), (storage, 0, tuple(shape), stride, False, hooks, dtype_global))
+    )
+
+
+def _archive(data_pkl: bytes, data: bytes | None) -> bytes:
+    """A ``torch.save`` zip archive: stored members under ``archive/``."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr("archive/data.pkl", data_pkl)
+        archive.writestr("archive/byteorder", "little")
+        if data is not None:
+            archive.writestr("archive/data/0", data)
+        archive.writestr("archive/version", "3\n")
+    return buffer.getvalue()
+
+
+def _write_distcp_ranks(
+    directory: str, c: SampleConfig, train_ranks: range, keep: Callable[[str, str], bool], serialization: str
+) -> ItemIndex:
+    """Write ``__R_0.distcp`` for training ranks ``train_ranks``; returns (name, chunk offsets) → (file, offset, length)."""
+    if serialization not in ("torch_save", "safetensors"):
+        raise ValueError(f"unknown serialization {serialization!r} (torch_save or safetensors)")
+    placements = _placements(c)
+    names = {r: f"__{r}_0.distcp" for r in train_ranks}
+    handles = {r: open(os.path.join(directory, names[r]), "wb") for r in train_ranks}
+    items: ItemIndex = {}
+    blobs: dict[int, list[tuple[str, str, np.ndarray, tuple[int, ...]]]] = {r: [] for r in train_ranks}
+    try:
+        if 0 in handles:  # non-tensor items come first, as torch writes them
+            archive = _archive(dumps(1000), None)
+            items[(NON_TENSOR_ENTRY, None)] = (names[0], 0, len(archive), ())
+            handles[0].write(archive)
+        for name, dtype, shape, placement, _ in tensor_specs(c):
+            if not keep(name, dtype):
+                continue
+            full = full_tensor(c, name, dtype, shape)
+            for r in train_ranks:
+                box = placements[placement](shape, r // c.tp, r % c.tp)
+                if box is None:
+                    continue
+                offsets, size = box
+                piece = np.ascontiguousarray(full[tuple(slice(o, o + n) for o, n in zip(offsets, size))])
+                if serialization == "safetensors":
+                    blobs[r].append((name, dtype, piece, offsets))
+                    continue
+                archive = _archive(_tensor_pickle(dtype, tuple(size)), piece.tobytes())
+                items[(name, tuple(offsets))] = (names[r], handles[r].tell(), len(archive), tuple(size))
+                handles[r].write(archive)
+        for r, pieces in blobs.items():  # DCP's safetensors serialization: one blob per file, after the items
+            start = handles[r].tell()
+            for name, _, piece, offsets in pieces:
+                items[(name, tuple(offsets))] = (names[r], start, piece.nbytes, piece.shape)
+            if pieces:
+                _write_blob(handles[r], pieces)
+    finally:
+        for handle in handles.values():
+            handle.close()
+    return items
+
+
+def _write_blob(handle: Any, pieces: list[tuple[str, str, np.ndarray, tuple[int, ...]]]) -> None:
+    pieces = sorted(pieces, key=lambda p: (DTYPE_ORDER[p[1]], p[0]))
+    info = {name: {"saved_offsets": list(offsets)} for name, _, _, offsets in pieces}
+    metadata = {SHARDING_KEY: json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"}
+    header, _ = build_header([(name, dtype, data.shape) for name, dtype, data, _ in pieces], metadata)
+    handle.write(header)
+    for _, _, data, _ in pieces:
+        handle.write(data.tobytes())
+
+
+def _metadata_pickle(
+    c: SampleConfig,
+    keep: Callable[[str, str], bool],
+    items: ItemIndex,
+) -> bytes:
+    """DCP's ``Metadata`` for the items written, as torch pickles it."""
+
+    def cls(name: str, module: str = _METADATA_MODULE) -> Global:
+        return Global(module, name)
+
+    entries: dict[str, object] = {}
+    planner: dict[str, object] = {}
+    storage: dict[object, object] = {}
+    specs = [s for s in tensor_specs(c) if keep(s[0], s[1])]
+    chunks_of: dict[str, list[tuple[int, ...]]] = {}
+    for name, chunk in sorted(items, key=lambda key: (key[0], key[1] or ())):
+        if chunk is not None:
+            chunks_of.setdefault(name, []).append(chunk)
+    for name, dtype, shape, _, _ in specs:
+        boxes = [
+            Obj(cls("ChunkStorageMetadata"), {"offsets": _size(offsets), "sizes": _size(items[(name, offsets)][3])})
+            for offsets in chunks_of.get(name, [])
+        ]
+        layout = Call(Global("torch.serialization", "_get_layout"), ("torch.strided",))
+        memory = Call(cls("_MEM_FORMAT_ENCODING"), (0,))
+        torch_dtype = Global("torch", str(DTYPE_BY_NAME[dtype].torch))
+        properties = Obj(cls("TensorProperties"), (torch_dtype, layout, False, memory, False))
+        entries[name] = Obj(cls("TensorStorageMetadata"), {"properties": properties, "size": _size(shape), "chunks": boxes})
+        planner[name] = (name,)
+    entries[NON_TENSOR_ENTRY] = Obj(cls("BytesStorageMetadata"))
+    planner[NON_TENSOR_ENTRY] = (NON_TENSOR_ENTRY,)
+    for (name, chunk), (file, offset, length, _) in sorted(items.items(), key=lambda kv: (kv[0][0], kv[0][1] or ())):
+        key = Obj(cls("MetadataIndex"), {"fqn": name, "offset": None if chunk is None else _size(chunk), "index": 0})
+        info = Obj(
+            cls("_StorageInfo", "torch.distributed.checkpoint.filesystem"),
+            {"relative_path": file, "offset": offset, "length": length},
+        )
+        storage[key] = info
+    return dumps(
+        Obj(
+            cls("Metadata"),
+            {
+                "state_dict_metadata": entries,
+                "planner_data": planner,
+                "storage_data": storage,
+                "storage_meta": None,
+                "version": "1.0.0",
+            },
+        )
+    )
 
 
 def expected_mapping(c: SampleConfig) -> dict[str, str]:
@@ -284,8 +463,12 @@ def check_sample(output_dir: str | os.PathLike[str], config: SampleConfig, comm:
     comm = as_communicator(comm)
 
     def work() -> None:
-        with open(os.path.join(directory, "model.safetensors.index.json"), encoding="utf-8") as handle:
-            weight_map = json.load(handle)["weight_map"]
+        index = os.path.join(directory, INDEX_NAME)
+        if os.path.exists(index):
+            with open(index, encoding="utf-8") as handle:
+                weight_map = json.load(handle)["weight_map"]
+        else:  # a single model.safetensors
+            weight_map = {name: SINGLE_FILE_NAME for name, _, _, _, _ in specs}
         headers: dict[str, Header] = {}
         for name, dtype, shape, _, _ in specs[comm.rank :: comm.size]:
             path = os.path.join(directory, weight_map[name])

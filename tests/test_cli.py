@@ -43,6 +43,14 @@ def test_every_consolidate_option_is_passed_on():
             "--progress",
             "3",
             "-v",
+            "--include",
+            "model.*",
+            "--include",
+            "lm_head.*",
+            "--exclude",
+            "*.bias",
+            "--strip-prefix",
+            "model.",
         ]
     )
     options = job_options(args)
@@ -58,6 +66,9 @@ def test_every_consolidate_option_is_passed_on():
         buffer_size=8 << 20,
         force=True,
         break_lock=True,
+        include=("model.*", "lm_head.*"),
+        exclude=("*.bias",),
+        strip_prefix="model.",
         sync=False,
         progress=3.0,
         verbose=True,

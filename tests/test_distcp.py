@@ -25,6 +25,7 @@ from helpers import (
     cli,
     load_tensors,
     reference_bytes,
+    sample_expected,
 )
 from mpi4py import MPI
 
@@ -32,6 +33,7 @@ import mpicons
 from mpicons.distcp import read_metadata
 from mpicons.errors import InputError
 from mpicons.format import DTYPES
+from mpicons.sample import SampleConfig, check_sample, tensor_specs, write_sample
 
 TORCH_SAVE = "dtypes-2ranks"
 SAFETENSORS = "dtypes-2ranks-safetensors"
@@ -380,3 +382,26 @@ def test_distcp_on_node_local_disks(fixture: str, mpi_tmp_path: Path) -> None:
     tensors = expected(fixture)
     assert result.shared_input == (comm.size == 1)
     assert_consolidated(out, tensors, dict.fromkeys(tensors, "model.safetensors"))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("serialization", ["torch_save", "safetensors"])
+def test_the_distcp_sample_consolidates_like_save_pretrained(serialization: str, mpi_tmp_path: Path) -> None:
+    """The sample generator's .distcp checkpoint (written by this job's ranks), sharded at 200 kB."""
+    comm = MPI.COMM_WORLD
+    config = SampleConfig(layers=3, hidden=64, intermediate=136, vocab=301, dp=3, tp=2)
+    write_sample(mpi_tmp_path / "in", config, comm, distcp=serialization)
+    out = mpi_tmp_path / "out"
+    result = mpicons.consolidate(mpi_tmp_path / "in", out, comm=comm, max_shard_size=200_000, buffer_size=1 << 14)
+    tensors = sample_expected(config)
+    weight_map = hf_shards([spec[0] for spec in tensor_specs(config)], tensors, 200_000)
+    assert len(set(weight_map.values())) > 1 and result.skipped == ["train.step"]
+    assert_consolidated(out, tensors, weight_map)
+    assert check_sample(out, config, comm) == len(tensors)
+
+
+def test_demo_in_the_distcp_format(tmp_path: Path) -> None:
+    proc, _ = cli(2, "demo", tmp_path / "demo", "--distcp", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "demo" / "distcp-torch_save" / ".metadata").is_file()
+    assert (tmp_path / "demo" / "consolidated" / "model.safetensors").is_file()
