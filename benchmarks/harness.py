@@ -201,7 +201,12 @@ def same_tensors(reference: Path, other: Path) -> str | None:
     from mpicons.format import read_header
 
     def tensors(directory: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
-        index = json.loads((directory / "model.safetensors.index.json").read_text())
+        if (directory / "model.safetensors.index.json").exists():
+            index = json.loads((directory / "model.safetensors.index.json").read_text())
+        else:  # one model.safetensors, no index (as save_pretrained writes a small model)
+            index = {"weight_map": {}}
+            for entry in read_header(directory / "model.safetensors").tensors:
+                index["weight_map"][entry.name] = "model.safetensors"
         found: dict[str, tuple[Path, str, tuple[int, ...], int, int]] = {}
         for file_name in sorted(set(index["weight_map"].values())):
             path = directory / file_name
