@@ -123,6 +123,9 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+_INPUT_HELP = "the sharded checkpoint: shard-RRRRR-model-IIIII-of-NNNNN.safetensors files, or .metadata and .distcp files"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mpicons",
@@ -132,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = commands.add_parser("consolidate", help="consolidate INPUT_DIR into OUTPUT_DIR")
-    run.add_argument("input_dir", help="directory of shard-RRRRR-model-IIIII-of-NNNNN.safetensors files")
+    run.add_argument("input_dir", help=_INPUT_HELP)
     run.add_argument("output_dir", help="where model-IIIII-of-NNNNN.safetensors and the index go")
     _add_job_options(run)
     run.set_defaults(func=_cmd_consolidate)
@@ -168,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.set_defaults(func=_cmd_verify)
 
     look = commands.add_parser("inspect", help="show tensors, shards, problems and each rank's work, writing nothing")
-    look.add_argument("input_dir", help="directory of shard-RRRRR-model-IIIII-of-NNNNN.safetensors files")
+    look.add_argument("input_dir", help=_INPUT_HELP)
     look.add_argument("--ranks", type=_int_at_least(1), metavar="N", help="plan for N ranks (default: this job's size)")
     look.add_argument(
         "--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json"

@@ -266,5 +266,10 @@ def _boxes(rng: np.random.Generator, shape: list[int], cut: str, ranks: int) -> 
 
 
 def slow_beyond(values: list, fast: int) -> list:
-    """Parameters for ``parametrize``: the first ``fast`` run by default, the rest only in slow runs."""
-    return [value if i < fast else pytest.param(value, marks=pytest.mark.slow) for i, value in enumerate(values)]
+    """Parameters for ``parametrize``: the first ``fast`` run by default, the rest only in slow runs
+    (a tuple is the values of several arguments)."""
+    slow = pytest.mark.slow
+    return [
+        value if i < fast else pytest.param(*value, marks=slow) if isinstance(value, tuple) else pytest.param(value, marks=slow)
+        for i, value in enumerate(values)
+    ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import FIXTURE_NAMES, FIXTURES, assert_consolidated, fixture_expected, index_weight_map, sample_expected
+from helpers import FIXTURE_NAMES, FIXTURES, assert_consolidated, fixture_expected, index_weight_map, sample_expected, slow_beyond
 from mpi4py import MPI
 
 import mpicons
@@ -19,8 +19,9 @@ def _shared_path(mpi_tmp_path):
 
 
 @pytest.mark.parametrize("fixture", FIXTURE_NAMES)
-@pytest.mark.parametrize("split", ["bytes", "files"])
-@pytest.mark.parametrize("io", ["posix", "mpiio"])
+@pytest.mark.parametrize(
+    "split, io", [("bytes", "posix"), ("files", "mpiio"), *slow_beyond([("bytes", "mpiio"), ("files", "posix")], 0)]
+)
 def test_fixture_consolidates_to_reference_bytes(fixture, split, io, mpi_tmp_path):
     comm = MPI.COMM_WORLD
     out = mpi_tmp_path / "out"

@@ -81,7 +81,7 @@ def test_cli_runs_without_a_launcher(tmp_path):
 INJECT = str(HERE / "scripts" / "inject.py")
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])
 def test_signal_to_the_job_aborts_cleanly(tmp_path, signum):
     """What Slurm does before a time limit: every rank stops, partial files are removed."""
     out = tmp_path / "out"
@@ -164,6 +164,7 @@ def test_read_only_output_directory_is_a_clean_error(tmp_path):
             target.chmod(0o755)
 
 
+@pytest.mark.slow
 def test_read_error_during_node_local_exchange_ends_every_rank(tmp_path):
     """A rank that fails while others wait for its data must not leave them hanging."""
     files = sorted(INPUT.iterdir())

@@ -183,6 +183,7 @@ def scratch(tmp_path_factory):
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(damaged_files())
+@pytest.mark.slow
 def test_any_file_reads_or_fails_cleanly(scratch, blob):
     """read_header on a file: a header consistent with the file's bytes, or an InputError naming the file."""
     scratch.write_bytes(blob)

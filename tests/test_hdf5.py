@@ -26,7 +26,7 @@ VIEW = {
 
 
 @pytest.mark.parametrize("fixture", FIXTURE_NAMES)
-@pytest.mark.parametrize("io", ["posix", "mpiio"])
+@pytest.mark.parametrize("io", ["posix", pytest.param("mpiio", marks=pytest.mark.slow)])
 def test_hdf5_output_reads_back_exactly(fixture, io, mpi_tmp_path):
     comm = MPI.COMM_WORLD
     out = mpi_tmp_path / "h5"

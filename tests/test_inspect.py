@@ -127,7 +127,7 @@ def test_preview_for_a_bigger_job(split):
 
 @mpi
 @pytest.mark.parametrize("fixture", FIXTURE_NAMES)
-@pytest.mark.parametrize("split", ["bytes", "files"])
+@pytest.mark.parametrize("split", ["bytes", pytest.param("files", marks=pytest.mark.slow)])
 def test_per_rank_work_is_what_consolidate_does(fixture, split, mpi_tmp_path):
     comm = MPI.COMM_WORLD
     report = _inspect(comm, FIXTURES / fixture / "sharded", split=split)

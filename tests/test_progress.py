@@ -28,6 +28,7 @@ def lines_mode(monkeypatch):
     monkeypatch.setenv("MPICONS_PROGRESS", "lines")
 
 
+@pytest.mark.slow
 def test_log_lines_from_every_rank_reach_rank_0(tmp_path, lines_mode):
     proc, _ = mpirun(
         3,

@@ -143,7 +143,7 @@ def test_planted_links_and_entries_are_never_followed_or_reused(tmp_path):
         assert path.read_bytes() == reference_bytes({n: expected[n] for n in names})
 
 
-@pytest.mark.parametrize("owner_of_output", [0, 2])
+@pytest.mark.parametrize("owner_of_output", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_no_rank_may_write_into_its_own_input(tmp_path, owner_of_output):
     """``{rank}`` inputs: the output may not be any rank's input directory, even with --force and a mapping naming a shard."""
     shards = sorted(INPUT.iterdir())
@@ -192,15 +192,15 @@ def test_force_leaves_exactly_the_new_checkpoint(tmp_path):
 
 
 PUBLISH_FAULTS = [
-    "publish-publish-term",
     "publish-write-error",
+    "publish-publish-term",
     "publish-aside-term",
     "publish-journal-error",
     "publish-publish-error",
 ]
 
 
-@pytest.mark.parametrize("fault", slow_beyond(PUBLISH_FAULTS, 2))
+@pytest.mark.parametrize("fault", slow_beyond(PUBLISH_FAULTS, 1))
 def test_a_failure_while_publishing_leaves_the_directory_as_it_was(tmp_path, fault):
     """SIGTERM during the renames (a Slurm time limit), disk full at the index: old checkpoint intact, rerun works."""
     out = tmp_path / "out"
@@ -287,6 +287,7 @@ def test_a_huge_rank_number_beside_a_hole_costs_nothing(tmp_path):
 # ---------------------------------------------------------------- bad input: exit 2 before any work
 
 
+@pytest.mark.slow
 def test_unwritable_report_paths_are_refused_before_any_work(tmp_path):
     out = tmp_path / "out"
     for option in (["--stats-json", str(tmp_path / "no" / "such" / "s.json")], ["--stats-json", str(tmp_path)]):
@@ -314,12 +315,15 @@ def _plain_checkpoint(directory: Path, names: list[str]) -> None:
 
 @pytest.mark.parametrize(
     "names, phrase",
-    [
-        (["a\0b"], "cannot be an HDF5 dataset"),
-        (["layers..x"], "cannot be an HDF5 dataset"),
-        (["a", "a.b"], "would be both a dataset and a group"),
-        (["a.b", "a/b"], "would both be the HDF5 dataset /a/b"),
-    ],
+    slow_beyond(
+        [
+            (["a", "a.b"], "would be both a dataset and a group"),
+            (["a\0b"], "cannot be an HDF5 dataset"),
+            (["layers..x"], "cannot be an HDF5 dataset"),
+            (["a.b", "a/b"], "would both be the HDF5 dataset /a/b"),
+        ],
+        1,
+    ),
 )
 def test_names_hdf5_cannot_hold_are_bad_input(tmp_path, names, phrase):
     _plain_checkpoint(tmp_path / "in", names)
@@ -452,6 +456,7 @@ def test_a_closed_standard_output_ends_quietly(tmp_path):
     assert "status 1" in proc.stderr and len(proc.stdout.splitlines()) == 3  # not sound: 1, printed or not
 
 
+@pytest.mark.slow
 def test_dash_means_standard_output_for_every_report(tmp_path):
     out = tmp_path / "out"
     proc, _ = cli(2, "consolidate", INPUT, out, "--stats-json", "-")
@@ -476,6 +481,7 @@ def test_verify_on_a_sharded_directory_says_what_to_do(tmp_path):
     )
 
 
+@pytest.mark.slow
 def test_verify_hints_at_dtype_for_a_converted_output(tmp_path):
     out = tmp_path / "out"
     assert cli(2, "consolidate", INPUT, out, "--dtype", "fp32", "-q")[0].returncode == 0

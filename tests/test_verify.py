@@ -88,7 +88,7 @@ def _has(report: VerifyReport, file_name: str | None, tensor: object, text: str)
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("fixture", FIXTURE_NAMES)
-@pytest.mark.parametrize("buffer_size", [TINY, 32 << 20])
+@pytest.mark.parametrize("buffer_size", [TINY, pytest.param(32 << 20, marks=pytest.mark.slow)])
 def test_consolidated_checkpoint_verifies(fixture, buffer_size, mpi_tmp_path):
     comm = MPI.COMM_WORLD
     out = _consolidated(comm, mpi_tmp_path, fixture)
