@@ -56,7 +56,7 @@ def _int(value: int) -> bytes:
     return b"\x8a" + bytes([len(data)]) + data
 
 
-def _dump(value: object, out: list[bytes]) -> None:
+def _dump(value: object, out: list[bytes], memo: dict[Global, int]) -> None:
     if value is None:
         out.append(b"N")
     elif value is True or value is False:
@@ -72,36 +72,40 @@ def _dump(value: object, out: list[bytes]) -> None:
             return
         out.append(b"(")
         for item in value:
-            _dump(item, out)
+            _dump(item, out, memo)
         out.append(b"t")
     elif isinstance(value, list):
         out.append(b"]")
         if value:
             out.append(b"(")
             for item in value:
-                _dump(item, out)
+                _dump(item, out, memo)
             out.append(b"e")
     elif isinstance(value, dict):
         out.append(b"}")
         if value:
             out.append(b"(")
             for key, item in value.items():
-                _dump(key, out)
-                _dump(item, out)
+                _dump(key, out, memo)
+                _dump(item, out, memo)
             out.append(b"u")
-    elif isinstance(value, Global):
-        out.append(f"c{value.module}\n{value.name}\n".encode())
+    elif isinstance(value, Global):  # named once, then fetched from the memo (as Python's pickler does)
+        if value in memo:
+            out.append(b"j" + struct.pack("<I", memo[value]))
+        else:
+            memo[value] = len(memo)
+            out.append(f"c{value.module}\n{value.name}\n".encode() + b"r" + struct.pack("<I", memo[value]))
     elif isinstance(value, Call):
-        _dump(value.function, out)
-        _dump(tuple(value.args), out)
+        _dump(value.function, out, memo)
+        _dump(tuple(value.args), out, memo)
         out.append(b"R")
     elif isinstance(value, Obj):
-        _dump(value.cls, out)
+        _dump(value.cls, out, memo)
         out.append(b")\x81")
-        _dump(value.state, out)
+        _dump(value.state, out, memo)
         out.append(b"b")
     elif isinstance(value, PersistentId):
-        _dump(value.value, out)
+        _dump(value.value, out, memo)
         out.append(b"Q")
     else:
         raise TypeError(f"cannot write {type(value).__name__} {value!r}")
@@ -110,7 +114,7 @@ def _dump(value: object, out: list[bytes]) -> None:
 def dumps(value: object) -> bytes:
     """``value`` as a protocol-2 pickle."""
     out = [b"\x80\x02"]
-    _dump(value, out)
+    _dump(value, out, {})
     out.append(b".")
     return b"".join(out)
 

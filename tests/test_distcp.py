@@ -31,7 +31,8 @@ from helpers import (
 from mpi4py import MPI
 
 import mpicons
-from mpicons.distcp import read_metadata
+from mpicons._pickling import Call, Global, Obj, dumps
+from mpicons.distcp import Item, locate, read_metadata
 from mpicons.errors import InputError
 from mpicons.format import DTYPES
 from mpicons.sample import SampleConfig, check_sample, tensor_specs, write_sample
@@ -418,3 +419,82 @@ def test_demo_in_the_distcp_format(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "demo" / "distcp-torch_save" / ".metadata").is_file()
     assert (tmp_path / "demo" / "consolidated" / "model.safetensors").is_file()
+
+
+def _items_by_file(checkpoint: Path) -> dict[str, list[Item]]:
+    table = read_metadata(str(checkpoint / ".metadata"))
+    found: dict[str, list[Item]] = {}
+    for i, t in enumerate(table.tensor):
+        rank = int(table.ndim[t])
+        found.setdefault(table.files[table.file[i]], []).append(
+            Item(
+                table.names[t],
+                DTYPES[table.dtype[t]].name,
+                tuple(int(x) for x in table.shape[i, :rank]),
+                tuple(int(x) for x in table.offset[i, :rank]),
+                int(table.item_offset[i]),
+                int(table.item_length[i]),
+            )
+        )
+    return found
+
+
+@pytest.mark.parametrize("fixture", [*DISTCP_NAMES, "sample"])
+def test_reading_archives_directly_agrees_with_zipfile(fixture: str, tmp_path: Path) -> None:
+    """The two-read path for torch.save's archive layout finds every piece where zipfile does."""
+    if fixture == "sample":
+        checkpoint = tmp_path / "sample"
+        write_sample(checkpoint, SampleConfig(layers=2, hidden=64, intermediate=136, vocab=301), distcp="torch_save")
+    else:
+        checkpoint = DISTCP_FIXTURES / fixture / "dcp"
+    for name, items in _items_by_file(checkpoint).items():
+        assert list(locate(str(checkpoint / name), items)) == list(locate(str(checkpoint / name), items, fast=False))
+
+
+_ITEM = {"relative_path": "__0_0.distcp", "offset": 0, "length": 1577}  # the transposed fixture's one item
+
+
+def _one_tensor_metadata(storage: dict[str, object], chunk: tuple[int, ...] = (0, 0)) -> bytes:
+    """DCP metadata for the ``transposed`` fixture's one tensor, with ``storage`` in its _StorageInfo."""
+    module = "torch.distributed.checkpoint.metadata"
+
+    def size(dims: tuple[int, ...]) -> Call:
+        return Call(Global("torch", "Size"), (dims,))
+
+    properties = Obj(Global(module, "TensorProperties"), (Global("torch", "float32"), "torch.strided", False, 0, False))
+    box = Obj(Global(module, "ChunkStorageMetadata"), {"offsets": size(chunk), "sizes": size((4, 3))})
+    tensor = Obj(Global(module, "TensorStorageMetadata"), {"properties": properties, "size": size((4, 3)), "chunks": [box]})
+    key = Obj(Global(module, "MetadataIndex"), {"fqn": "weight", "offset": size((0, 0)), "index": 0})
+    info = Obj(Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"), storage)
+    return dumps(Obj(Global(module, "Metadata"), {"state_dict_metadata": {"weight": tensor}, "storage_data": {key: info}}))
+
+
+@pytest.mark.parametrize(
+    "storage, chunk, phrase",
+    [
+        (
+            {"relative_path": "__0_0.distcp", "offset": 0, "length": 1577, "transform_descriptors": ["zstd"]},
+            (0, 0),
+            "stream transforms",
+        ),
+        ({"relative_path": "../__0_0.distcp", "offset": 0, "length": 1577}, (0, 0), "not a file name inside"),
+        ({"relative_path": "__0_0.distcp", "offset": 0, "length": 1577}, (1, 0), "the piece at [1, 0] has no storage entry"),
+        ({"relative_path": "__0_0.distcp", "offset": -1, "length": 1577}, (0, 0), "storage entry of tensor 'weight'"),
+    ],
+)
+def test_metadata_that_cannot_be_followed_is_refused(
+    tmp_path: Path, storage: dict[str, object], chunk: tuple[int, ...], phrase: str
+) -> None:
+    checkpoint = copy_fixture("transposed", tmp_path)
+    (checkpoint / ".metadata").write_bytes(_one_tensor_metadata(storage, chunk))
+    with pytest.raises(InputError) as error:
+        mpicons.consolidate(checkpoint, tmp_path / "out", comm=MPI.COMM_SELF)
+    assert phrase in str(error.value), str(error.value)
+
+
+def test_the_metadata_written_here_is_read_the_same_with_properties_as_a_tuple(tmp_path: Path) -> None:
+    """Control for the cases above: the same metadata, followable, gets as far as the piece."""
+    checkpoint = copy_fixture("transposed", tmp_path)
+    (checkpoint / ".metadata").write_bytes(_one_tensor_metadata({"relative_path": "__0_0.distcp", "offset": 0, "length": 1577}))
+    with pytest.raises(InputError, match="not row-major"):
+        mpicons.consolidate(checkpoint, tmp_path / "out", comm=MPI.COMM_SELF)
