@@ -7,7 +7,6 @@ round correctly from a single rounding, except float64 → bfloat16, which ml_dt
 
 from __future__ import annotations
 
-import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
 import numpy as np
 
 from .errors import InputError
@@ -30,13 +29,23 @@ def converted_dtype(source: str, target: str | None) -> str:
 
 
 def numpy_dtype(name: str) -> np.dtype:
+    """The numpy dtype of a safetensors dtype name (bfloat16 and float8 come from ml_dtypes)."""
+    _register_ml_dtypes()
     return np.dtype(DTYPE_BY_NAME[name].numpy)
+
+
+def _register_ml_dtypes() -> None:
+    """Import ml_dtypes, which registers bfloat16 and float8 with numpy, when a conversion first needs them.
+
+    Not at import: ml_dtypes 0.7 takes about 0.7 s to import, which every rank of every job would pay.
+    """
+    import ml_dtypes  # noqa: F401
 
 
 def convert(source: np.ndarray, target: np.ndarray) -> None:
     """Write ``source`` (any float dtype) into ``target`` (same shape) with round-to-nearest-even."""
     with np.errstate(over="ignore", invalid="ignore"):  # out of range is inf, NaN stays NaN: no warnings
-        if source.dtype == np.float64 and target.dtype == np.dtype(ml_dtypes.bfloat16):
+        if source.dtype == np.float64 and target.dtype == numpy_dtype("BF16"):
             np.copyto(target, _float64_to_float32_round_to_odd(source), casting="unsafe")
         else:
             np.copyto(target, source, casting="unsafe")
