@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
@@ -22,8 +24,10 @@ class HandleCache(Generic[H]):
     its background I/O there), ``retire`` closes one."""
 
     def __init__(self, open_one: Callable[[int], H], retire: Callable[[int, H], None], max_open: int) -> None:
-        self.open_one = open_one
-        self.retire = retire
+        # Methods of the cache's owner are held weakly: a cycle would keep the owner (and what it holds,
+        # such as a torch.distributed group) alive until the interpreter's shutdown.
+        self._open_one = _held_weakly(open_one)
+        self._retire = _held_weakly(retire)
         self.max_open = max_open
         self.handles: OrderedDict[int, H] = OrderedDict()
         self.before_close: Callable[[], None] = lambda: None
@@ -33,10 +37,10 @@ class HandleCache(Generic[H]):
         if handle is not None:
             self.handles.move_to_end(key)
             return handle
-        handle = self.handles[key] = self.open_one(key)
+        handle = self.handles[key] = self._open_one()(key)
         if len(self.handles) > self.max_open:
             self.before_close()
-            self.retire(*self.handles.popitem(last=False))
+            self._retire()(*self.handles.popitem(last=False))
         return handle
 
     def close(self) -> None:
@@ -44,11 +48,23 @@ class HandleCache(Generic[H]):
         first: BaseException | None = None
         while self.handles:
             try:
-                self.retire(*self.handles.popitem())
+                self._retire()(*self.handles.popitem())
             except BaseException as exc:  # noqa: BLE001 - every handle is closed before raising
                 first = first or exc
         if first is not None:
             raise first
+
+
+def _held_weakly(function: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
+    """A callable returning ``function``, holding it weakly when it is a bound method."""
+    if inspect.ismethod(function):
+        method = weakref.WeakMethod(function)
+        return lambda: method() or _gone
+    return lambda: function
+
+
+def _gone(*args: object) -> Any:
+    raise ValueError("the handles' owner was garbage-collected")
 
 
 class CachedHandles:
