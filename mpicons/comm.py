@@ -4,12 +4,14 @@ Everything that talks between ranks goes through :class:`Communicator`: collecti
 objects and numpy arrays, a byte Alltoallv, non-blocking point-to-point on numpy buffers (one
 ordered channel per pair of ranks and tag), a non-blocking barrier, duplication and abort.
 :func:`as_communicator` wraps what callers pass: an mpi4py communicator (or None for
-``COMM_WORLD``), or an object that already implements this interface. mpi4py is imported only
+``COMM_WORLD``), a torch.distributed process group, or an object that already implements this
+interface (:class:`SingleProcess`: one process, no MPI). mpi4py is imported only
 then, so importing mpicons never starts MPI.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 import time
 from collections.abc import Callable, Sequence
@@ -89,6 +91,59 @@ class Communicator(Protocol):
         ...
 
 
+class _Done:
+    """A request that is already complete."""
+
+    def wait(self) -> None:
+        pass
+
+    def test(self) -> bool:
+        return True
+
+
+class SingleProcess:
+    """:class:`Communicator` of one process, with no MPI and no torch.distributed: a job in this process alone."""
+
+    rank = 0
+    size = 1
+
+    def allgather(self, obj: T) -> list[T]:
+        return [obj]
+
+    def bcast(self, obj: T, root: int) -> T:
+        return obj
+
+    def allreduce(self, value: Any, op: str) -> Any:
+        return value
+
+    def allreduce_array(self, array: np.ndarray, op: str) -> None:
+        pass
+
+    def allreduce_object(self, obj: T, combine: Callable[[T, T], T]) -> T:
+        return obj
+
+    def alltoallv(self, send: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        return np.array(send[: int(counts[0])], dtype=np.uint8)
+
+    def isend(self, array: np.ndarray, dest: int, tag: int) -> Request:
+        raise RuntimeError("a single process has no other rank to send to")
+
+    def irecv(self, array: np.ndarray, source: int, tag: int) -> Request:
+        raise RuntimeError("a single process has no other rank to receive from")
+
+    def ibarrier(self) -> Request:
+        return _Done()
+
+    def duplicate(self) -> SingleProcess:
+        return SingleProcess()
+
+    def free(self) -> None:
+        pass
+
+    def abort(self, code: int) -> None:
+        os._exit(code)
+
+
 def as_communicator(comm: object | None) -> Communicator:
     """The communicator for ``comm``: None is ``MPI.COMM_WORLD``; an mpi4py intracommunicator is wrapped;
     a torch.distributed process group is wrapped (gloo); an object implementing :class:`Communicator`
@@ -145,4 +200,4 @@ def tree_allreduce(comm: Communicator, obj: T, combine: Callable[[T, T], T], tag
     return comm.bcast(value if rank == 0 else None, root=0)  # type: ignore[return-value]
 
 
-__all__ = ["Communicator", "Request", "as_communicator", "wait_all", "sleeping_wait", "tree_allreduce", "OPS"]
+__all__ = ["Communicator", "Request", "SingleProcess", "as_communicator", "wait_all", "sleeping_wait", "tree_allreduce", "OPS"]

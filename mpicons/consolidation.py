@@ -97,6 +97,12 @@ def check_machine(comm: Comm, input_dir: str, output_dir: str, buffer_size: int)
     agree(comm, check)
 
 
+def check_backend(comm: Comm, io: str) -> None:
+    """Refuse before any work what needs MPI when the communicator is not MPI (a torch.distributed group)."""
+    if io == "mpiio" and not hasattr(comm, "mpi"):
+        raise InputError(f"--io mpiio needs an MPI communicator, and this job's is a {type(comm).__name__}: use --io posix")
+
+
 def check_buffer_fits(comm: Comm, buffer_size: int) -> None:
     """Refuse, before any work, a buffer size the ranks sharing a node cannot all have."""
     hosts = agree(comm, host_name, gather=True)
@@ -166,6 +172,7 @@ def consolidate(
     options = (options or Options()).with_changes(**changes)
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
     options.check(comm.size)
+    check_backend(comm, options.io)
     owner = options.gather_to if options.gather_to is not None else 0
     clock = PhaseClock()
     held: list[OutputDir] = []  # the owner's hold on the output directory

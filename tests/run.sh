@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Set up and run the mpicons test suite on a fresh machine: a virtualenv in .venv with mpicons,
 # its test extras and MPICH (no system MPI needed); lint and type checks; the serial tests; then
-# the MPI tests at 1, 2, 3 and 4 ranks. Tests marked slow run only with --run-slow (or
-# MPICONS_SLOW=1, as CI does).
+# the MPI tests at 1, 2, 3 and 4 ranks; the torch.distributed tests under torchrun (2 processes;
+# 1 to 4 with slow tests). Tests marked slow run only with --run-slow (or MPICONS_SLOW=1, as CI
+# does). torch (version MPICONS_TORCH, default 2.13.0) is installed into .venv for the torchrun
+# tests unless one is there; MPICONS_TORCH=none skips them.
 #   bash tests/run.sh              # the default run (about two minutes on two cores)
 #   bash tests/run.sh --run-slow   # everything
 set -euo pipefail
@@ -10,6 +12,13 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q -e '.[test,mpich]'
+TORCH=${MPICONS_TORCH:-2.13.0}
+if [ "$TORCH" != none ] && ! .venv/bin/python -c 'import torch' 2>/dev/null; then
+  .venv/bin/python -m pip install -q "torch==$TORCH"
+fi
+slow=0
+[ "${MPICONS_SLOW:-}" = 1 ] && slow=1
+for arg in "$@"; do [ "$arg" = --run-slow ] && slow=1; done
 export PYTHONDONTWRITEBYTECODE=1 RUFF_CACHE_DIR=.venv/.ruff-cache MYPY_CACHE_DIR=.venv/.mypy-cache
 logs=$(mktemp -d)
 trap 'rm -rf "$logs"' EXIT
@@ -41,9 +50,32 @@ for ranks in 1 2 3 4; do
   fi
 done
 
+# torchrun --standalone rendezvouses on a free port of its own choosing, so runs never collide.
+torch_sizes=()
+if [ "$TORCH" != none ]; then
+  if [ "$slow" = 1 ]; then torch_sizes=(1 2 3 4); else torch_sizes=(2); fi
+fi
+for procs in "${torch_sizes[@]}"; do
+  echo "== torch.distributed tests at $procs process(es)"
+  status=0
+  # Every process's output goes to a log file: rank 0's is shown, the others' only on failure.
+  OMP_NUM_THREADS=1 timeout 600 .venv/bin/torchrun --standalone --nproc-per-node "$procs" --log-dir "$logs/torch-logs-$procs" \
+    --redirects 3 -m pytest -q -x -p no:cacheprovider --only-torch "$@" tests/test_torch.py \
+    >"$logs/torchrun-$procs" 2>&1 || status=$?
+  find "$logs/torch-logs-$procs" -path '*/0/stdout.log' -exec cat {} + | tee "$logs/torch-$procs"
+  if [ "$status" != 0 ]; then
+    cat "$logs/torchrun-$procs"
+    find "$logs/torch-logs-$procs" -name '*.log' -print -exec cat {} \;
+    exit "$status"
+  fi
+done
+
 echo "== summary"
 summary() { grep -E '^[0-9]+ (passed|failed|skipped)' "$1" | head -n 1; }
 printf '%-20s %s\n' "types" "$(tail -n 1 "$logs/types")" "serial" "$(summary "$logs/serial")"
 for ranks in 1 2 3 4; do
   printf '%-20s %s\n' "MPI at $ranks rank(s)" "$(summary "$logs/mpi-$ranks")"
+done
+for procs in "${torch_sizes[@]}"; do
+  printf '%-20s %s\n' "torch at $procs proc(s)" "$(summary "$logs/torch-$procs")"
 done

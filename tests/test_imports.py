@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 import subprocess
 import sys
@@ -68,10 +69,16 @@ def test_each_module_imports_only_what_the_map_allows(module: str) -> None:
     assert inner <= named | lazily, f"{module} imports {sorted(inner - named - lazily)} lazily, not in the map"
     if "mpi4py" in top | inner:
         assert module in MPI_MODULES, f"{module} imports mpi4py"
+    if module != "torch":
+        tree = ast.parse((PACKAGE / f"{module}.py").read_text())
+        absolute = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        absolute |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0}
+        assert not {m for m in absolute if m.split(".")[0] == "torch"}, f"{module} imports torch (only mpicons.torch may)"
 
 
 def test_importing_the_package_and_every_non_mpi_module_starts_no_mpi() -> None:
-    plain = [m for m in MODULES if m not in MPI_MODULES | {"__main__"}]
+    optional = {"torch"} if importlib.util.find_spec("torch") is None else set()  # mpicons.torch needs torch
+    plain = [m for m in MODULES if m not in MPI_MODULES | {"__main__"} | optional]
     code = (
         "import importlib, sys\n"
         f"for name in {plain!r}:\n"
@@ -84,3 +91,35 @@ def test_importing_the_package_and_every_non_mpi_module_starts_no_mpi() -> None:
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_the_job_does_not_import_ml_dtypes_until_a_conversion_needs_it() -> None:
+    """ml_dtypes 0.7 takes about 0.7 s to import: a job without --dtype must not pay it on every rank."""
+    code = (
+        "import sys\n"
+        "import mpicons.consolidation, mpicons.verify, mpicons.inspection\n"
+        "assert 'ml_dtypes' not in sys.modules\n"
+        "from mpicons.convert import numpy_dtype\n"
+        "assert numpy_dtype('BF16').name == 'bfloat16' and 'ml_dtypes' in sys.modules\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def test_one_process_consolidates_without_mpi(tmp_path: Path) -> None:
+    """``comm=SingleProcess()``: the whole job in this process, MPI never started."""
+    from helpers import FIXTURES, assert_consolidated, fixture_expected, index_weight_map
+
+    out = tmp_path / "out"
+    code = (
+        "import sys, mpicons\n"
+        "from mpicons.comm import SingleProcess\n"
+        f"result = mpicons.consolidate({str(FIXTURES / 'tp2d-4ranks' / 'sharded')!r}, {str(out)!r}, comm=SingleProcess())\n"
+        "assert result.stats.ranks == 1 and 'mpi4py.MPI' not in sys.modules\n"
+        "print('ok')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    expected, mapping = fixture_expected("tp2d-4ranks")
+    assert_consolidated(out, expected, index_weight_map(mapping))

@@ -1,0 +1,231 @@
+"""mpicons inside a torch.distributed job: a process group as the communicator, without MPI.
+
+``TorchComm`` implements :class:`~mpicons.comm.Communicator` over a ``torch.distributed`` process
+group, so ``mpicons.consolidate(..., comm=group)`` runs on the group's members only and never
+starts MPI. CPU collectives need gloo: a group whose backend cannot move CPU tensors (NCCL) gets a
+gloo group over the same ranks, made once; no GPU is touched.
+
+``consolidate_safetensors_files_on_every_rank`` has the signature of torch's function of that name
+(``torch.distributed.checkpoint._consolidate_hf_safetensors``): a torchtitan user switches with one
+import. The output is mpicons': byte-identical to safetensors' serializer, split by bytes over the
+ranks, checked, published atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .comm import SingleProcess, tree_allreduce
+from .errors import InputError
+
+T = TypeVar("T")
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+_PYTHON_OPS: dict[str, Callable[[Any], Any]] = {"sum": sum, "min": min, "max": max}
+#: Tags of duplicated communicators are offset by this much (they share the process group).
+_TAG_SPAN = 1 << 16
+#: The gloo group made for each group that cannot move CPU tensors; held no longer than that group
+#: (a group object outliving destroy_process_group until the interpreter's shutdown can abort the process).
+_CPU_GROUPS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _cpu_group(group: Any) -> Any:
+    """``group`` if its backend moves CPU tensors (gloo, or a mixed ``cpu:gloo,cuda:nccl``), else a gloo
+    group over the same ranks, made once (only the members take part in making it)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend:
+        return group
+    partner = _CPU_GROUPS.get(group)
+    if partner is None:
+        ranks = dist.get_process_group_ranks(group)
+        partner = _CPU_GROUPS[group] = dist.new_group(ranks, backend="gloo", use_local_synchronization=True)
+    return partner
+
+
+class _Work:
+    """A torch.distributed async work handle as a :class:`~mpicons.comm.Request`.
+
+    gloo's point-to-point work never reports completion until someone waits on it, so the first
+    ``test()`` that finds it unfinished hands the wait to a thread and watches that thread instead.
+    """
+
+    __slots__ = ("work", "keep", "polls", "_waiter", "_error")
+
+    def __init__(self, work: Any, keep: object = None, polls: bool = False) -> None:
+        self.work, self.keep = work, keep  # ``keep``: the tensor must live until the work is done
+        self.polls = polls  # whether ``is_completed`` tells the truth (collectives) or not (p2p)
+        self._waiter: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def _wait_in_thread(self) -> None:
+        try:
+            self.work.wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits or tests next
+            self._error = exc
+
+    def wait(self) -> None:
+        if self._waiter is None:
+            self.work.wait()
+            return
+        self._waiter.join()
+        if self._error is not None:
+            raise self._error
+
+    def test(self) -> bool:
+        if self._waiter is None:
+            if self.work.is_completed():
+                return True
+            if self.polls:
+                return False
+            self._waiter = threading.Thread(target=self._wait_in_thread, name="mpicons-torch-wait", daemon=True)
+            self._waiter.start()
+        if self._waiter.is_alive():
+            return False
+        if self._error is not None:
+            raise self._error
+        return True
+
+
+def _tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor on ``array``'s memory (a copy when it is read-only or not contiguous: only sends get those)."""
+    return torch.from_numpy(np.require(array, requirements=["C", "W"]))
+
+
+class TorchComm:
+    """:class:`~mpicons.comm.Communicator` over a torch.distributed process group.
+
+    Parameters:
+        group: the process group (default: the default group). Every member calls mpicons with
+            the same arguments; other ranks of the job are untouched.
+        cpu_group: a gloo group over the same ranks to use for the collectives (default: ``group``
+            itself if it moves CPU tensors, else one made once).
+    """
+
+    def __init__(self, group: Any = None, cpu_group: Any = None, _tag: int = 0) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise InputError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+        group = dist.group.WORLD if group is None else group
+        self.group = cpu_group if cpu_group is not None else _cpu_group(group)
+        self._rank = dist.get_rank(self.group)
+        self._size = dist.get_world_size(self.group)
+        if self._rank < 0:
+            raise InputError("this process is not a member of the process group it was given")
+        self._tag = _tag
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    def allgather(self, obj: T) -> list[T]:
+        out: list[Any] = [None] * self._size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def bcast(self, obj: T, root: int) -> T:
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.group, group_src=root)
+        return box[0]
+
+    def allreduce(self, value: Any, op: str) -> Any:
+        return _PYTHON_OPS[op](self.allgather(value))  # Python numbers of any size, exactly
+
+    def allreduce_array(self, array: np.ndarray, op: str) -> None:
+        if array.dtype == np.bool_:
+            widened = array.astype(np.int64)
+            self.allreduce_array(widened, op)
+            array[...] = widened.astype(bool)
+            return
+        tensor = torch.from_numpy(np.ascontiguousarray(array))
+        dist.all_reduce(tensor, op=_OPS[op], group=self.group)
+        if not np.shares_memory(tensor.numpy(), array):
+            array[...] = tensor.numpy()
+
+    def allreduce_object(self, obj: T, combine: Callable[[T, T], T]) -> T:
+        return tree_allreduce(self, obj, combine)
+
+    def alltoallv(self, send: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        send_counts = torch.from_numpy(np.asarray(counts, dtype=np.int64).copy())
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        recv = np.empty(int(recv_counts.sum()), dtype=np.uint8)
+        dist.all_to_all_single(
+            torch.from_numpy(recv),
+            _tensor(send.view(np.uint8)),
+            output_split_sizes=recv_counts.tolist(),
+            input_split_sizes=send_counts.tolist(),
+            group=self.group,
+        )
+        return recv
+
+    def isend(self, array: np.ndarray, dest: int, tag: int) -> _Work:
+        tensor = _tensor(array)
+        return _Work(dist.isend(tensor, group=self.group, group_dst=dest, tag=self._tag + tag), tensor)
+
+    def irecv(self, array: np.ndarray, source: int, tag: int) -> _Work:
+        tensor = _tensor(array)
+        return _Work(dist.irecv(tensor, group=self.group, group_src=source, tag=self._tag + tag), tensor)
+
+    def ibarrier(self) -> _Work:
+        return _Work(dist.barrier(group=self.group, async_op=True), polls=True)
+
+    def duplicate(self) -> TorchComm:
+        """The same group with its own range of message tags (collectives stay in program order)."""
+        return TorchComm(cpu_group=self.group, _tag=self._tag + _TAG_SPAN)
+
+    def free(self) -> None:
+        pass
+
+    def abort(self, code: int) -> None:
+        """End this process now; torchrun's agent then stops the other members."""
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def consolidate_safetensors_files_on_every_rank(
+    input_dir: str,
+    output_dir: str,
+    fqn_to_index_mapping: Mapping[str, int],
+    num_threads: int = 1,
+    process_group: Any = None,
+    **options: Any,
+) -> Any:
+    """torch's ``consolidate_safetensors_files_on_every_rank``, done by mpicons.
+
+    Parameters:
+        input_dir: the shards (``shard-*-model-*.safetensors``, as DCP's HuggingFaceStorageWriter saves them).
+        output_dir: where ``model-IIIII-of-NNNNN.safetensors`` and the index go; may be the input's parent
+            (torchtitan's ``CHECKPOINT/sharded`` → ``CHECKPOINT``), never an input directory.
+        fqn_to_index_mapping: tensor name → output file index from 1, as for torch; must name exactly
+            the checkpoint's tensors.
+        num_threads: accepted for compatibility; mpicons' parallelism is the group's ranks (each with
+            one background I/O thread).
+        process_group: the group whose members call this (default: the default group); a group
+            that cannot move CPU tensors (NCCL) is paired with a gloo group once.
+        options: any :class:`~mpicons.options.Options` field (``force=True`` to replace an existing
+            checkpoint in ``output_dir``, ``buffer_size``, ``split``, ...).
+
+    Collective over the group. When torch.distributed is not initialized, this process alone does the
+    work (as torch's function does then), without MPI. Returns the :class:`~mpicons.consolidation.ConsolidateResult` (torch's
+    returns None); raises :class:`~mpicons.errors.InputError` / ``WriteError`` on every member alike.
+    """
+    from .consolidation import consolidate
+
+    del num_threads
+    alone = process_group is None and not (dist.is_available() and dist.is_initialized())
+    comm = SingleProcess() if alone else TorchComm(process_group)
+    return consolidate(input_dir, output_dir, comm=comm, mapping=dict(fqn_to_index_mapping), **options)
+
+
+__all__ = ["TorchComm", "consolidate_safetensors_files_on_every_rank"]

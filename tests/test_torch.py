@@ -1,0 +1,245 @@
+"""mpicons in a torch.distributed job (gloo): the suite runs these under ``torchrun`` at 1-4 processes.
+
+    torchrun --standalone --nproc-per-node 3 -m pytest --only-torch tests/test_torch.py
+
+Every test is collective: each process checks what it can, the verdicts are gathered, and every
+process fails alike (one process failing alone would leave the others waiting).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from helpers import FIXTURES, assert_consolidated, fixture_expected, index_weight_map, load_tensors
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import mpicons  # noqa: E402
+from mpicons.errors import InputError  # noqa: E402
+from mpicons.torch import TorchComm, consolidate_safetensors_files_on_every_rank  # noqa: E402
+
+pytestmark = pytest.mark.torch_dist
+
+
+@pytest.fixture(scope="session")
+def group() -> Iterator[object]:
+    """The default group of the torchrun job (gloo), made for the session."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    yield dist.group.WORLD
+    dist.barrier()
+
+
+@pytest.fixture
+def shared_tmp(group: object) -> Iterator[Path]:
+    """One temporary directory for the whole job (rank 0's, broadcast)."""
+    path = [tempfile.mkdtemp(prefix="mpicons-torch-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(path, src=0)
+    yield Path(path[0])
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path[0], ignore_errors=True)
+
+
+def agreed(check: Callable[[], None]) -> None:
+    """Run ``check`` on every process; fail everywhere if it failed anywhere."""
+    verdict = None
+    try:
+        check()
+    except Exception as exc:  # noqa: BLE001 - reported on every process
+        verdict = f"rank {dist.get_rank()}: {type(exc).__name__}: {exc}"
+    verdicts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(verdicts, verdict)
+    failures = [v for v in verdicts if v]
+    assert not failures, "\n".join(failures)
+
+
+def on_rank_0(check: Callable[[], None]) -> Callable[[], None]:
+    return lambda: check() if dist.get_rank() == 0 else None
+
+
+@pytest.mark.parametrize("fixture", ["edge-3ranks", "fsdp2-3ranks", "tp2d-4ranks"])
+def test_a_process_group_is_a_communicator(fixture: str, group: object, shared_tmp: Path) -> None:
+    out = shared_tmp / "out"
+    result = mpicons.consolidate(FIXTURES / fixture / "sharded", out, comm=group, buffer_size=1 << 12)
+    expected, mapping = fixture_expected(fixture)
+    agreed(lambda: None if result.stats.ranks == dist.get_world_size() else pytest.fail(f"ran on {result.stats.ranks} ranks"))
+    agreed(on_rank_0(lambda: assert_consolidated(out, expected, index_weight_map(mapping))))
+
+
+def test_mpi_is_never_started(group: object, shared_tmp: Path) -> None:
+    mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", shared_tmp / "out", comm=TorchComm(group))
+    agreed(lambda: None if "mpi4py.MPI" not in sys.modules else pytest.fail("mpi4py.MPI was imported"))
+
+
+def test_a_group_that_cannot_move_cpu_tensors_gets_a_gloo_partner(
+    group: object, shared_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An NCCL default group (played here by reporting "nccl" for it) is paired once with a gloo group."""
+    real = dist.get_backend
+    monkeypatch.setattr(dist, "get_backend", lambda g=None: "nccl" if g is group else real(g))
+    first, second = TorchComm(group), TorchComm(group)
+    out = shared_tmp / "out"
+    mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", out, comm=group)
+    expected, mapping = fixture_expected("edge-3ranks")
+
+    def paired() -> None:
+        assert first.group is not group and real(first.group) == "gloo"
+        assert second.group is first.group, "the gloo group is made once"
+        assert dist.get_process_group_ranks(first.group) == dist.get_process_group_ranks(group)
+
+    agreed(paired)
+    agreed(on_rank_0(lambda: assert_consolidated(out, expected, index_weight_map(mapping))))
+
+
+def test_a_sub_group_leaves_the_other_ranks_alone(group: object, shared_tmp: Path) -> None:
+    """Ranks 0..k-1 (k = size - 1, at least 1) consolidate on their own group; the last rank does nothing."""
+    size = dist.get_world_size()
+    members = list(range(max(1, size - 1)))
+    sub = dist.new_group(members, backend="gloo", use_local_synchronization=True) if dist.get_rank() in members else None
+    out = shared_tmp / "out"
+    if sub is not None:
+        result = mpicons.consolidate(FIXTURES / "tp2d-4ranks" / "sharded", out, comm=sub)
+        assert result.stats.ranks == len(members)
+    expected, mapping = fixture_expected("tp2d-4ranks")
+    agreed(on_rank_0(lambda: assert_consolidated(out, expected, index_weight_map(mapping))))
+
+
+def test_the_drop_in_writes_a_torchtitan_checkpoint_into_the_parent(group: object, shared_tmp: Path) -> None:
+    """torchtitan's layout: shards in CHECKPOINT/sharded, the consolidated files in CHECKPOINT."""
+    fixture = "fsdp2-3ranks"
+    checkpoint = shared_tmp / "step-100"
+    if dist.get_rank() == 0:
+        shutil.copytree(FIXTURES / fixture / "sharded", checkpoint / "sharded")
+    dist.barrier()
+    expected, mapping = fixture_expected(fixture)
+    consolidate_safetensors_files_on_every_rank(str(checkpoint / "sharded"), str(checkpoint), mapping, num_threads=5)
+    agreed(on_rank_0(lambda: assert_consolidated(checkpoint, expected, index_weight_map(mapping))))
+
+
+def test_the_drop_in_without_a_process_group_runs_in_one_process(group: object, shared_tmp: Path) -> None:
+    """As torch's function: torch.distributed not initialized → this process alone (and no MPI)."""
+    out = shared_tmp / "out"
+
+    def alone() -> None:
+        code = (
+            "import json, sys\n"
+            "from mpicons.torch import consolidate_safetensors_files_on_every_rank as consolidate\n"
+            "mapping = {k: int(v) for k, v in json.loads(sys.argv[3]).items()}\n"
+            "result = consolidate(sys.argv[1], sys.argv[2], mapping)\n"
+            "assert result.stats.ranks == 1 and 'mpi4py.MPI' not in sys.modules\n"
+        )
+        expected, mapping = fixture_expected("fsdp2-3ranks")
+        source = str(FIXTURES / "fsdp2-3ranks" / "sharded")
+        proc = subprocess.run(
+            [sys.executable, "-c", code, source, str(out), json.dumps(mapping)], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert_consolidated(out, expected, index_weight_map(mapping))
+
+    agreed(on_rank_0(alone))
+
+
+def test_the_drop_in_holds_the_tensors_torch_makes(group: object, shared_tmp: Path) -> None:
+    """torch's own function on the same float checkpoint: the same tensors (its bytes differ: no padding, no metadata)."""
+    from torch.distributed.checkpoint import _consolidate_hf_safetensors as reference
+
+    fixture = "fsdp2-3ranks"
+    expected, mapping = fixture_expected(fixture)
+    ours, theirs = shared_tmp / "ours", shared_tmp / "theirs"
+    consolidate_safetensors_files_on_every_rank(str(FIXTURES / fixture / "sharded"), str(ours), mapping)
+    if dist.get_rank() == 0:
+        theirs.mkdir()
+    dist.barrier()
+    reference.consolidate_safetensors_files_on_every_rank(str(FIXTURES / fixture / "sharded"), str(theirs), mapping)
+
+    def same() -> None:
+        for path in sorted(theirs.glob("model-*.safetensors")):
+            assert load_tensors(path) == load_tensors(ours / path.name), path.name
+
+    agreed(on_rank_0(same))
+
+
+def test_an_error_on_one_member_raises_on_every_member(group: object, shared_tmp: Path) -> None:
+    """Node-local shards: only the last rank's copy of one file is broken; every member raises, naming it."""
+    size = dist.get_world_size()
+    if dist.get_rank() == 0:
+        for rank in range(size):
+            shutil.copytree(FIXTURES / "edge-3ranks" / "sharded", shared_tmp / f"local-{rank}")
+        victim = sorted((shared_tmp / f"local-{size - 1}").iterdir())[-1]
+        victim.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}      ")
+    dist.barrier()
+
+    def raises() -> None:
+        with pytest.raises(InputError, match=rf"\[rank {size - 1}\]|ranks see different files"):
+            mpicons.consolidate(str(shared_tmp / "local-{rank}"), shared_tmp / "out", comm=group)
+
+    agreed(raises)
+    agreed(
+        on_rank_0(
+            lambda: None if not (shared_tmp / "out").exists() or not any((shared_tmp / "out").iterdir()) else pytest.fail("wrote")
+        )
+    )
+
+
+def test_node_local_shards_move_over_torch_point_to_point(group: object, shared_tmp: Path) -> None:
+    """Each shard file on one rank only: pieces travel between ranks through the group's isend/irecv."""
+    size = dist.get_world_size()
+    if dist.get_rank() == 0:
+        for rank in range(size):
+            (shared_tmp / f"local-{rank}").mkdir()
+        for i, path in enumerate(sorted((FIXTURES / "tp2d-4ranks" / "sharded").iterdir())):
+            shutil.copy(path, shared_tmp / f"local-{i % size}" / path.name)
+    dist.barrier()
+    out = shared_tmp / "out"
+    result = mpicons.consolidate(str(shared_tmp / "local-{rank}"), out, comm=group, buffer_size=1 << 12, progress=0.01)
+    expected, mapping = fixture_expected("tp2d-4ranks")
+    agreed(lambda: None if result.shared_input == (size == 1) else pytest.fail(f"shared_input {result.shared_input}"))
+    agreed(on_rank_0(lambda: assert_consolidated(out, expected, index_weight_map(mapping))))
+
+
+def test_mpiio_is_refused_before_any_work(group: object, shared_tmp: Path) -> None:
+    def raises() -> None:
+        with pytest.raises(InputError, match="--io mpiio needs an MPI communicator"):
+            mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", shared_tmp / "out", comm=group, io="mpiio")
+
+    agreed(raises)
+    agreed(on_rank_0(lambda: None if not (shared_tmp / "out").exists() else pytest.fail("output directory created")))
+
+
+def test_inspect_and_verify_take_a_process_group(group: object, shared_tmp: Path) -> None:
+    report = mpicons.inspect(FIXTURES / "tp2d-4ranks" / "sharded", comm=group)
+    out = shared_tmp / "out"
+    mpicons.consolidate(FIXTURES / "tp2d-4ranks" / "sharded", out, comm=group)
+    check = mpicons.verify(out, against=FIXTURES / "tp2d-4ranks" / "sharded", comm=group)
+    agreed(lambda: None if report.ok and check.ok and check.ranks == dist.get_world_size() else pytest.fail(str(check.problems)))
+
+
+def test_nothing_keeps_the_group_alive_after_the_call(group: object, shared_tmp: Path) -> None:
+    """No reference cycle holds the communicator: a group freed only at interpreter shutdown, after
+    destroy_process_group, can abort the process ("terminate called without an active exception")."""
+    comm = TorchComm(group)
+    alive = weakref.ref(comm)
+    gc.disable()
+    try:
+        mpicons.consolidate(FIXTURES / "tp2d-4ranks" / "sharded", shared_tmp / "out", comm=comm, progress=0.01)
+        del comm
+        agreed(lambda: None if alive() is None else pytest.fail("the communicator outlived the call"))
+    finally:
+        gc.enable()
+
+
+def test_the_environment_is_torchrun() -> None:
+    """Guard: these tests mean something only inside a torchrun job."""
+    assert "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
