@@ -65,6 +65,7 @@ def main() -> None:
     outputs = {name: args.workdir / f"dropin-{which}" for name, which in CASES.items()}
     copy = args.workdir / "dropin-cp"
     for _ in range(args.repeat):
+        quiesce(copy)  # also lets the previous cases' writeback finish
         warm(source)
         ctx.quiet.wait("cp -r")
         runs["cp -r"].append({"call_s": checked(ctx.run(["cp", "-r", str(source), str(copy)]), "cp -r").wall})
