@@ -48,6 +48,12 @@ def _imports(module: str) -> tuple[set[str], set[str]]:
     return top, inner - top
 
 
+def _prints_ok(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (nothing imported yet); it must print ``ok``."""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
 def test_the_module_map_lists_every_module_once() -> None:
     assert sorted(_module_map()) == MODULES
 
@@ -89,8 +95,7 @@ def test_importing_the_package_and_every_non_mpi_module_starts_no_mpi() -> None:
         "assert 'mpi4py.MPI' not in sys.modules, 'a lazy export'\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    _prints_ok(code)
 
 
 def test_the_job_does_not_import_ml_dtypes_until_a_conversion_needs_it() -> None:
@@ -103,8 +108,7 @@ def test_the_job_does_not_import_ml_dtypes_until_a_conversion_needs_it() -> None
         "assert numpy_dtype('BF16').name == 'bfloat16' and 'ml_dtypes' in sys.modules\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    _prints_ok(code)
 
 
 def test_one_process_consolidates_without_mpi(tmp_path: Path) -> None:
@@ -119,7 +123,6 @@ def test_one_process_consolidates_without_mpi(tmp_path: Path) -> None:
         "assert result.stats.ranks == 1 and 'mpi4py.MPI' not in sys.modules\n"
         "print('ok')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+    _prints_ok(code)
     expected, mapping = fixture_expected("tp2d-4ranks")
     assert_consolidated(out, expected, index_weight_map(mapping))

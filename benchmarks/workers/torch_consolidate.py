@@ -22,6 +22,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from durability import fsync_paths
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -65,15 +67,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         call_s, rss = float(values[0]), float(values[1])
         dist.destroy_process_group()
     if rank == 0:
-        # torch does not fsync its outputs (mpicons does): time that separately for a durable comparison.
-        began = time.perf_counter()
-        for path in sorted(Path(args.output_dir).iterdir()):
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        sync_s = time.perf_counter() - began
+        sync_s = fsync_paths(sorted(Path(args.output_dir).iterdir()))
         Path(args.result).write_text(
             json.dumps({"import_s": import_s, "call_s": call_s, "sync_s": sync_s, "peak_rss_mb": rss, "error": error})
         )

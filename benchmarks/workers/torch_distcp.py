@@ -14,11 +14,12 @@ mpicons does and torch does not), ``peak_rss_mb`` and ``error``.
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import time
 from pathlib import Path
+
+from durability import fsync_paths
 
 
 def main() -> None:
@@ -41,15 +42,7 @@ def main() -> None:
     except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException, a BaseException
         error = f"{type(exc).__name__}: {exc}"
     call_s = time.perf_counter() - began
-    sync_s = 0.0
-    if output.exists():
-        began = time.perf_counter()
-        fd = os.open(output, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        sync_s = time.perf_counter() - began
+    sync_s = fsync_paths([output]) if output.exists() else 0.0
     (work / "full.pt").unlink(missing_ok=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result.write_text(json.dumps({"import_s": import_s, "call_s": call_s, "sync_s": sync_s, "peak_rss_mb": rss, "error": error}))

@@ -23,6 +23,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from durability import fsync_paths
+
 
 def main(argv: Sequence[str] | None = None) -> None:
     began = time.perf_counter()
@@ -61,15 +63,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     mpi_imported = "mpi4py.MPI" in sys.modules
     dist.destroy_process_group()
     if rank == 0:
-        began = time.perf_counter()
-        if args.which == "torch":
-            for path in sorted(Path(args.output_dir).iterdir()):
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        sync_s = time.perf_counter() - began
+        sync_s = fsync_paths(sorted(Path(args.output_dir).iterdir())) if args.which == "torch" else 0.0
         numbers = {"call_s": float(values[0]), "peak_rss_mb": float(values[1]), "startup_s": float(values[2])}
         Path(args.result).write_text(json.dumps(numbers | {"sync_s": sync_s, "mpi_imported": mpi_imported}))
 
