@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import FIXTURES, assert_consolidated, fixture_expected, index_weight_map, load_tensors
+from helpers import DISTCP_FIXTURES, FIXTURES, assert_consolidated, fixture_expected, index_weight_map, load_tensors
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -76,6 +76,15 @@ def test_a_process_group_is_a_communicator(fixture: str, group: object, shared_t
     expected, mapping = fixture_expected(fixture)
     agreed(lambda: None if result.stats.ranks == dist.get_world_size() else pytest.fail(f"ran on {result.stats.ranks} ranks"))
     agreed(on_rank_0(lambda: assert_consolidated(out, expected, index_weight_map(mapping))))
+
+
+@pytest.mark.parametrize("fixture", ["tp2d-4ranks-optim", "dtypes-2ranks-safetensors"])
+def test_a_process_group_reads_dcps_default_format(fixture: str, group: object, shared_tmp: Path) -> None:
+    """``.metadata`` + ``.distcp`` through a group: every dtype, one model.safetensors, non-tensor entries skipped."""
+    out = shared_tmp / "out"
+    mpicons.consolidate(DISTCP_FIXTURES / fixture / "dcp", out, comm=group, buffer_size=1 << 12)
+    tensors = load_tensors(DISTCP_FIXTURES / fixture / "expected" / "full.safetensors")
+    agreed(on_rank_0(lambda: assert_consolidated(out, tensors, dict.fromkeys(tensors, "model.safetensors"))))
 
 
 def test_mpi_is_never_started(group: object, shared_tmp: Path) -> None:
