@@ -13,7 +13,7 @@ from .comm import as_communicator
 from .errors import InputError, MpiconsError
 from .exchange import ExchangeWriter
 from .formats import OutputFormat, output_format
-from .interrupts import deferred, forget_pending, raise_pending
+from .interrupts import deferred, forget_pending, raise_pending, raising_inside
 from .machine import check_buffer_size, host_name
 from .options import DEFAULT_BUFFER_SIZE, FORMATS, Options
 from .outdir import OutputDir
@@ -284,35 +284,37 @@ def _write_share(
 ) -> tuple[int, int]:
     """This rank's share of the writing (bytes written, bytes sent); with progress, reports flow to rank 0 meanwhile."""
     exchanging = not scanned.shared or options.gather_to is not None
-    channel = comm.duplicate() if options.progress or exchanging else comm
-    reporter = Progress(channel, layout.total_bytes, options.progress, verbose=options.verbose) if options.progress else None
-    on_bytes = reporter.add if reporter is not None else None
-    try:
-        if not exchanging:
-            written, moved = Writer(layout, part, sources, output, options.buffer_size, on_bytes, io_threads=IO_THREADS).run(), 0
-        else:
-            with deferred():
-                writer = ExchangeWriter(
-                    layout,
-                    part,
-                    scanned.files,
-                    sources,
-                    output,
-                    options.buffer_size,
-                    channel,
-                    on_bytes,
-                    delegate=options.gather_to is None,
-                )
-                written = writer.run()
-                moved = writer.sent
-        return written, moved
-    finally:
-        # Always report the end, also after a failure, so rank 0 never waits for a report that will not come.
-        if reporter is not None:
-            reporter.finish()
-        wait_for_all(channel)
-        if channel is not comm:
-            channel.free()
+    # Making the channel and the reporter, and their teardown, are a protocol every rank must complete:
+    # a signal stops only the writing itself (the exchange polls for signals between its blocks).
+    with deferred():
+        channel = comm.duplicate() if options.progress or exchanging else comm
+        reporter = Progress(channel, layout.total_bytes, options.progress, verbose=options.verbose) if options.progress else None
+        on_bytes = reporter.add if reporter is not None else None
+        try:
+            if not exchanging:
+                with raising_inside():
+                    raise_pending()
+                    written = Writer(layout, part, sources, output, options.buffer_size, on_bytes, io_threads=IO_THREADS).run()
+                return written, 0
+            writer = ExchangeWriter(
+                layout,
+                part,
+                scanned.files,
+                sources,
+                output,
+                options.buffer_size,
+                channel,
+                on_bytes,
+                delegate=options.gather_to is None,
+            )
+            return writer.run(), writer.sent
+        finally:
+            # Always report the end, also after a failure, so rank 0 never waits for a report that will not come.
+            if reporter is not None:
+                reporter.finish()
+            wait_for_all(channel)
+            if channel is not comm:
+                channel.free()
 
 
 def _close_quietly(output: OutputBackend, sources: SourceFiles) -> None:

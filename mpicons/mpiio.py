@@ -9,6 +9,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .errors import WriteError
+from .interrupts import deferred
 from .outputs import MAX_OPEN_OUTPUTS, _bounce_copy, _Output
 from .sources import MAX_TRANSFER, CachedHandles, HandleCache, SourceFiles
 
@@ -34,7 +35,14 @@ class MpiioOutput(_Output, CachedHandles):
         return info
 
     def create(self) -> None:
-        """Collectively create every output exclusively, size it and write its header (rank 0), one at a time."""
+        """Collectively create every output exclusively, size it and write its header (rank 0), one at a time.
+
+        Collective calls every rank must complete: a signal is only recorded meanwhile (raised after).
+        """
+        with deferred():
+            self._create_all()
+
+    def _create_all(self) -> None:
         info = self._info()
         try:
             for path, header, size in zip(self.paths, self.headers, self.sizes):

@@ -24,6 +24,7 @@ from .engine import Assembler, Block, Segment, block_budget, blocks, segment_byt
 from .errors import InputError, MpiconsError
 from .exchange import ExchangeWriter
 from .format import DTYPE_BY_NAME, Header, read_header
+from .interrupts import deferred
 from .outdir import LOCK_NAME, STAGING_PREFIX, Holder, plain_file_name
 from .parallel import Comm, agree, agree_on
 from .plan import INDEX_NAME, OUTPUT_METADATA, SINGLE_FILE_NAME, Layout, Part, build_layout
@@ -431,13 +432,15 @@ def _compare_share(
                     except (MpiconsError, OSError) as exc:
                         checker.fail(block, exc)
         else:
-            channel = comm.duplicate()
-            try:
-                ExchangeWriter(
-                    layout, part, scanned.files, sources, None, buffer_size, channel, sink=checker, copies=False, delegate=False
-                ).run()
-            finally:
-                channel.free()
+            with deferred():  # a message pattern every rank must complete (the exchange polls for signals itself)
+                channel = comm.duplicate()
+                try:
+                    files = scanned.files
+                    ExchangeWriter(
+                        layout, part, files, sources, None, buffer_size, channel, sink=checker, copies=False, delegate=False
+                    ).run()
+                finally:
+                    channel.free()
     finally:
         sources.close()
         outputs.close()

@@ -104,6 +104,19 @@ def test_signal_to_one_rank_ends_all_ranks(tmp_path):
     assert seconds < 30
 
 
+@pytest.mark.parametrize("fault", ["signal-progress-start", "signal-progress-finish"])
+@pytest.mark.parametrize("victim", [0, 2])
+def test_a_signal_inside_the_progress_protocol_ends_every_rank(tmp_path, fault, victim):
+    """The reporter's set-up and its last reports are a message pattern: a signal there is held
+    until it completes (raising mid-way left rank 0 waiting for a report that never came)."""
+    args = [INJECT, fault, str(victim), "--", "consolidate", str(INPUT), str(tmp_path / "out"), "--progress", "0.01"]
+    proc, seconds = mpirun(3, args, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert "interrupted by SIGTERM" in proc.stderr
+    assert not (tmp_path / "out").exists()
+    assert seconds < 30
+
+
 def test_rank_killed_mid_write_ends_the_job_and_a_rerun_succeeds(tmp_path):
     out = tmp_path / "out"
     proc, seconds = mpirun(3, [INJECT, "kill-write", "2", "--", "consolidate", str(INPUT), str(out)])

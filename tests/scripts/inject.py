@@ -2,7 +2,9 @@
 
 Usage: inject.py FAULT RANK -- mpicons arguments...
 FAULT: ``write-oserror`` (an I/O error while writing), ``bug-after-write`` (an unexpected exception
-outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write), ``slow-write`` (every
+outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write), ``signal-progress-start`` / ``-finish`` (the
+rank gets SIGTERM as the progress reporter starts / finishes, inside the message pattern every
+rank must complete), ``slow-write`` (every
 rank writes slowly), ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``read-error`` (every
 shard read fails), ``kill-write`` (the rank SIGKILLs itself mid-write), ``publish-STEP-HOW``
 (at the publishing step whose label starts with STEP: ``error`` raises an I/O error, ``kill``
@@ -83,6 +85,17 @@ elif rank == victim:
             return original(self, size)
 
         mpicons.writer.Writer._next_slot = stopping_slot
+    elif fault in ("signal-progress-start", "signal-progress-finish"):  # the rank gets SIGTERM in the reporter's protocol
+        import mpicons.progress
+
+        name = "__init__" if fault.endswith("start") else "finish"
+        original_method = getattr(mpicons.progress.Progress, name)
+
+        def signalled(self, *a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return original_method(self, *a, **k)
+
+        setattr(mpicons.progress.Progress, name, signalled)
     elif fault.startswith("publish-"):
         _, step, how = fault.split("-", 2)
         step = step.replace("_", " ")
