@@ -97,9 +97,11 @@ def check_machine(comm: Comm, input_dir: str, output_dir: str, buffer_size: int)
     agree(comm, check)
 
 
-def check_backend(comm: Comm, io: str) -> None:
-    """Refuse before any work what needs MPI when the communicator is not MPI (a torch.distributed group)."""
-    if io == "mpiio" and not hasattr(comm, "mpi"):
+def check_options(comm: Comm, options: Options) -> None:
+    """Check the options for this job before any work: also what needs MPI when the communicator is not
+    MPI (a torch.distributed group)."""
+    options.check(comm.size)
+    if options.io == "mpiio" and not hasattr(comm, "mpi"):
         raise InputError(f"--io mpiio needs an MPI communicator, and this job's is a {type(comm).__name__}: use --io posix")
 
 
@@ -171,8 +173,7 @@ def consolidate(
     comm = as_communicator(comm)
     options = (options or Options()).with_changes(**changes)
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
-    options.check(comm.size)
-    check_backend(comm, options.io)
+    check_options(comm, options)
     owner = options.gather_to if options.gather_to is not None else 0
     clock = PhaseClock()
     held: list[OutputDir] = []  # the owner's hold on the output directory
