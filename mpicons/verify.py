@@ -435,9 +435,17 @@ def _compare_share(
             with deferred():  # a message pattern every rank must complete (the exchange polls for signals itself)
                 channel = comm.duplicate()
                 try:
-                    files = scanned.files
                     ExchangeWriter(
-                        layout, part, files, sources, None, buffer_size, channel, sink=checker, copies=False, delegate=False
+                        layout,
+                        part,
+                        scanned.files,
+                        sources,
+                        None,
+                        buffer_size,
+                        channel,
+                        sink=checker,
+                        copies=False,
+                        delegate=False,
                     ).run()
                 finally:
                     channel.free()
