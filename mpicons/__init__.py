@@ -15,8 +15,8 @@ _EXPORTS = {
     "ConsolidateResult": "consolidation",
     "inspect": "inspection",
     "InspectReport": "inspection",
-    "verify": "verify",
-    "VerifyReport": "verify",
+    "verify": "verification",
+    "VerifyReport": "verification",
     "Options": "options",
     "Communicator": "comm",
     "MpiconsError": "errors",
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from .errors import InputError, MpiconsError, WriteError
     from .inspection import InspectReport, inspect
     from .options import Options
-    from .verify import VerifyReport, verify
+    from .verification import VerifyReport, verify
 
 
 def __getattr__(name: str) -> Any:

@@ -407,7 +407,7 @@ def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
 
 def _cmd_verify(args: argparse.Namespace, comm: Comm) -> int:
     """Exit 0 when the checkpoint is sound, 1 when it is not (bad arguments raise InputError: exit 2)."""
-    from .verify import verify
+    from .verification import verify
 
     _check_report_paths(comm, args.json)
     report = verify(

@@ -102,7 +102,7 @@ def test_the_job_does_not_import_ml_dtypes_until_a_conversion_needs_it() -> None
     """ml_dtypes 0.7 takes about 0.7 s to import: a job without --dtype must not pay it on every rank."""
     code = (
         "import sys\n"
-        "import mpicons.consolidation, mpicons.verify, mpicons.inspection\n"
+        "import mpicons.consolidation, mpicons.verification, mpicons.inspection\n"
         "assert 'ml_dtypes' not in sys.modules\n"
         "from mpicons.convert import numpy_dtype\n"
         "assert numpy_dtype('BF16').name == 'bfloat16' and 'ml_dtypes' in sys.modules\n"

@@ -20,7 +20,7 @@ from mpi4py import MPI
 
 import mpicons
 from mpicons.format import DTYPE_BY_NAME, read_header
-from mpicons.verify import VerifyReport, verify
+from mpicons.verification import VerifyReport, verify
 
 HERE = Path(__file__).parent
 EDGE = FIXTURES / "edge-3ranks" / "sharded"
