@@ -155,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     check = commands.add_parser("verify", help="check a consolidated checkpoint (files, index; values with --against)")
-    check.add_argument("output_dir", help="directory of model-IIIII-of-NNNNN.safetensors files and the index")
+    check.add_argument(
+        "output_dir", help="directory of model-IIIII-of-NNNNN.safetensors files and the index (or an HDF5 output's model.h5)"
+    )
     check.add_argument("--against", metavar="DIR", help="also compare every tensor with the sharded checkpoint in DIR")
     check.add_argument(
         "--buffer-size",
@@ -168,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_selection_options(check)
     check.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to standard output)")
     check.add_argument("-q", "--quiet", action="store_true", help="print only the problems")
+    check.add_argument(
+        "--follow-links",
+        action="store_true",
+        help="accept symbolic links to regular files (a Hugging Face cache snapshot); otherwise a link is a problem",
+    )
     check.set_defaults(func=_cmd_verify)
 
     look = commands.add_parser("inspect", help="show tensors, shards, problems and each rank's work, writing nothing")
@@ -406,19 +413,26 @@ def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace, comm: Comm) -> int:
-    """Exit 0 when the checkpoint is sound, 1 when it is not (bad arguments raise InputError: exit 2)."""
+    """Exit 0 when the checkpoint is sound, 1 when it is not, 2 for bad arguments (InputError) or a directory
+    holding entries verify does not read (links unless followed, FIFOs, devices)."""
     from .verification import verify
 
     _check_report_paths(comm, args.json)
     report = verify(
-        args.output_dir, against=args.against, comm=comm, buffer_size=args.buffer_size, dtype=args.dtype, **_selection(args)
+        args.output_dir,
+        against=args.against,
+        comm=comm,
+        buffer_size=args.buffer_size,
+        dtype=args.dtype,
+        follow_links=args.follow_links,
+        **_selection(args),
     )
     if comm.rank == 0 and args.json != "-":
         lines = report.lines() + ([] if args.quiet else [report.summary()])
         if lines:
             say("\n".join(lines))
     write_report(comm, args.json, report.to_dict)
-    return 0 if report.ok else 1
+    return 2 if report.refused else 0 if report.ok else 1
 
 
 def _cmd_inspect(args: argparse.Namespace, comm: Comm) -> int:

@@ -368,3 +368,192 @@ def test_verify_against_shards_of_a_converted_output(option, mpi_tmp_path):
     assert clean_ok
     assert not plain_ok  # without --dtype the dtypes differ from the shards'
     assert broken_count == 1 and "differs from the shards" in broken_what[0]
+
+
+# ---------------------------------------------------------------- only regular files inside the directory
+
+
+def _replace_with_link(path: Path, target: str | Path) -> None:
+    path.unlink()
+    path.symlink_to(target)
+
+
+@pytest.mark.mpi
+def test_a_link_to_a_file_outside_is_reported_with_its_target_not_read(mpi_tmp_path):
+    comm = MPI.COMM_WORLD
+    out = _consolidated(comm, mpi_tmp_path)
+    copy = mpi_tmp_path / "elsewhere" / FILE1  # an identical copy: reading it would find nothing wrong
+
+    def plant() -> None:
+        copy.parent.mkdir()
+        shutil.copy(out / FILE1, copy)
+        _replace_with_link(out / FILE1, copy)
+        (out / "extra.safetensors").symlink_to("/etc/passwd")
+
+    _mutate(comm, plant)
+    report = _verify(comm, out, against=EDGE)
+    assert not report.ok
+    assert _has(report, FILE1, None, f"is a symbolic link to {copy}; verify reads only regular files inside the directory")
+    assert _has(report, "extra.safetensors", None, "is a symbolic link to /etc/passwd"), report.lines()
+    assert "--follow-links" in report.lines()[0]
+    assert len(report.problems) == 2, report.lines()  # neither is opened: no header problem, no stray, no values
+    assert report.refused == sorted([str(out / FILE1), str(out / "extra.safetensors")])
+    assert FILE1 not in report.files and report.compared_tensors < report.shard_tensors
+    assert "2 entries not read" in report.summary()
+    assert report.to_dict()["refused"] == report.refused
+
+    followed = _verify(comm, out, against=EDGE, follow_links=True)
+    # Followed, the copy verifies; /etc/passwd is a regular file too, read as what it is: not safetensors.
+    assert followed.refused == [] and FILE1 in followed.files
+    assert [os.path.basename(p.path) for p in followed.problems] == ["extra.safetensors"] * 2, followed.lines()
+    assert _has(followed, "extra.safetensors", None, "not listed in the index (stray file)")
+    assert followed.compared_tensors == followed.shard_tensors
+
+
+@pytest.mark.mpi
+def test_follow_links_accepts_a_cache_snapshot_of_links_into_blobs(mpi_tmp_path):
+    """A Hugging Face cache snapshot: every file a relative link into ``blobs/``."""
+    comm = MPI.COMM_WORLD
+    out = _consolidated(comm, mpi_tmp_path)
+    snapshot = mpi_tmp_path / "models--x" / "snapshots" / "abc123"
+
+    def cache() -> None:
+        blobs = mpi_tmp_path / "models--x" / "blobs"
+        blobs.mkdir(parents=True)
+        snapshot.mkdir(parents=True)
+        for number, path in enumerate(sorted(out.iterdir())):
+            shutil.copy(path, blobs / f"blob{number}")
+            (snapshot / path.name).symlink_to(f"../../blobs/blob{number}")
+
+    _mutate(comm, cache)
+    plain = _verify(comm, snapshot)
+    assert len(plain.refused) == 3 and not plain.files, plain.lines()
+    assert _has(plain, INDEX, None, "is a symbolic link to ../../blobs/blob2"), plain.lines()
+    followed = _verify(comm, snapshot, against=EDGE, follow_links=True)
+    assert followed.ok, followed.lines()
+    assert followed.files == [FILE1, FILE2] and followed.compared_tensors == followed.shard_tensors
+
+    def dangle() -> None:  # links to anything but a regular file stay refused when followed
+        _replace_with_link(snapshot / FILE2, "../../blobs/gone")
+        _replace_with_link(snapshot / INDEX, "/dev/zero")
+
+    _mutate(comm, dangle)
+    broken = _verify(comm, snapshot, follow_links=True)
+    assert _has(broken, FILE2, None, "is a symbolic link to ../../blobs/gone, which cannot be followed"), broken.lines()
+    assert _has(broken, INDEX, None, "is a symbolic link to /dev/zero, which is a character device"), broken.lines()
+    assert broken.refused == [str(snapshot / FILE2), str(snapshot / INDEX)]
+
+
+@pytest.mark.mpi
+def test_fifos_and_directories_in_place_of_files_are_reported_unopened(mpi_tmp_path):
+    comm = MPI.COMM_WORLD
+    out = _consolidated(comm, mpi_tmp_path)
+
+    def plant() -> None:
+        (out / FILE2).unlink()
+        os.mkfifo(out / FILE2)  # opening it for reading would block until a writer comes
+        (out / "extra.safetensors").mkdir()
+
+    _mutate(comm, plant)
+    report = _verify(comm, out, against=EDGE, follow_links=True)
+    assert _has(report, FILE2, None, "is a FIFO (named pipe), not a regular file"), report.lines()
+    assert _has(report, "extra.safetensors", None, "is a directory, not a regular file"), report.lines()
+    assert len(report.problems) == 2, report.lines()
+    assert report.refused == [str(out / "extra.safetensors"), str(out / FILE2)]
+
+
+def test_an_index_over_the_size_limit_is_not_read(tmp_path, monkeypatch):
+    from mpicons import verification
+    from mpicons.comm import SingleProcess
+
+    out = tmp_path / "out"
+    mpicons.consolidate(EDGE, out, comm=SingleProcess())
+    monkeypatch.setattr(verification, "MAX_INDEX_SIZE", 100)
+    report = verify(out, comm=SingleProcess())
+    assert [(os.path.basename(p.path), p.what) for p in report.problems] == [
+        (INDEX, "index is larger than the 100-byte limit (not an index?)")
+    ]
+
+
+#: name → how the entry is planted in a consolidated directory, what verify must say, verify's extra options
+UNREADABLE = {
+    "fifo-index": (lambda o: (os.unlink(o / INDEX), os.mkfifo(o / INDEX)), INDEX, "is a FIFO (named pipe)", []),
+    "fifo-lock": (lambda o: os.mkfifo(o / ".mpicons.lock"), ".mpicons.lock", "is a FIFO (named pipe)", []),
+    "index-to-dev-zero": (
+        lambda o: _replace_with_link(o / INDEX, "/dev/zero"),
+        INDEX,
+        "is a symbolic link to /dev/zero, which is a character device",
+        ["--follow-links"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(UNREADABLE))
+def test_cli_ends_with_exit_2_naming_an_entry_it_will_not_read(case, tmp_path):
+    """A FIFO would block the open forever, /dev/zero would be read until memory runs out."""
+    out = tmp_path / "out"
+    mpicons.consolidate(EDGE, out, comm=MPI.COMM_SELF)
+    plant, name, what, options = UNREADABLE[case]
+    plant(out)
+    proc, _ = cli(2, "verify", out, "--against", EDGE, *options, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{out / name}: {what}" in proc.stdout
+    assert "1 entry not read (not regular files)" in proc.stdout.splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_cli_follow_links_accepts_a_link_to_a_regular_file(tmp_path):
+    out = tmp_path / "out"
+    mpicons.consolidate(EDGE, out, comm=MPI.COMM_SELF)
+    copy = tmp_path / "copy.safetensors"
+    shutil.copy(out / FILE1, copy)
+    _replace_with_link(out / FILE1, copy)
+    refused, _ = cli(2, "verify", out, timeout=60)
+    assert refused.returncode == 2 and f"{out / FILE1}: is a symbolic link to {copy}" in refused.stdout
+    followed, _ = cli(2, "verify", out, "--against", EDGE, "--follow-links", timeout=60)
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    assert followed.stdout.count("mpicons verify: OK") == 1
+
+
+# ---------------------------------------------------------------- HDF5 output
+
+
+@pytest.mark.mpi
+def test_hdf5_output_is_verified_against_the_shards(mpi_tmp_path):
+    h5py = pytest.importorskip("h5py")
+    comm = MPI.COMM_WORLD
+    out = mpi_tmp_path / "h5"
+    mpicons.consolidate(EDGE, out, comm=comm, output_format="hdf5")
+    plain = _verify(comm, out)
+    full = _verify(comm, out, against=EDGE, buffer_size=TINY)
+    for report in (plain, full):
+        assert report.ok, report.lines()
+        assert report.files == ["model.h5"] and report.tensors == 27
+    assert full.compared_tensors == full.shard_tensors == 27 and full.compared_bytes == full.total_bytes
+
+    def damage() -> None:
+        with h5py.File(out / "model.h5", "r") as handle:
+            dataset = handle["/model/layers/0/mlp/down_proj/weight"]
+            position = dataset.id.get_offset() + (37 * dataset.shape[1] + 150) * dataset.dtype.itemsize
+        _flip(out / "model.h5", position)
+
+    _mutate(comm, damage)
+    assert _verify(comm, out).ok  # the file's structure is intact: only the shards can tell
+    report = _verify(comm, out, against=EDGE, buffer_size=TINY)
+    assert len(report.problems) == 1, report.lines()
+    what = "differs from the shards in 1 of 11968 elements; first at [37, 150]"
+    assert _has(report, "model.h5", "model.layers.0.mlp.down_proj.weight", what)
+
+
+@pytest.mark.mpi
+def test_hdf5_output_with_dtype_and_a_broken_file(mpi_tmp_path):
+    pytest.importorskip("h5py")
+    comm = MPI.COMM_WORLD
+    out = mpi_tmp_path / "h5"
+    mpicons.consolidate(EDGE, out, comm=comm, output_format="hdf5", dtype="fp32")
+    assert _verify(comm, out, against=EDGE, dtype="fp32").ok
+    assert _has(_verify(comm, out, against=EDGE), "model.h5", ANY, "but the shards hold")
+    _mutate(comm, lambda: (out / "model.h5").write_bytes(b"not HDF5 at all"))
+    report = _verify(comm, out, against=EDGE)
+    assert _has(report, "model.h5", None, "is not an HDF5 file h5py can read"), report.lines()
+    assert not any("in no output file" in p.what for p in report.problems)
