@@ -126,3 +126,42 @@ def test_one_process_consolidates_without_mpi(tmp_path: Path) -> None:
     _prints_ok(code)
     expected, mapping = fixture_expected("tp2d-4ranks")
     assert_consolidated(out, expected, index_weight_map(mapping))
+
+
+def test_no_module_is_named_like_an_exported_name() -> None:
+    """``import mpicons.x`` binds ``mpicons.x`` to the module: a function of that name would be shadowed."""
+    import mpicons
+
+    assert not set(MODULES) & set(mpicons.__all__)
+    assert set(mpicons._SUBMODULES) <= set(MODULES) - set(mpicons.__all__)
+
+
+def test_verify_and_inspect_stay_functions_whatever_was_imported(tmp_path: Path) -> None:
+    from helpers import FIXTURES
+
+    shards = str(FIXTURES / "tp2d-4ranks" / "sharded")
+    code = (
+        "import mpicons.verification, mpicons.inspection\n"
+        "from mpicons.verification import verify\n"
+        "from mpicons.inspection import inspect\n"
+        "import mpicons\n"
+        "from mpicons.comm import SingleProcess\n"
+        f"mpicons.consolidate({shards!r}, {str(tmp_path / 'out')!r}, comm=SingleProcess())\n"
+        f"assert mpicons.inspect({shards!r}, comm=SingleProcess()).ok\n"
+        f"assert mpicons.verify({str(tmp_path / 'out')!r}, against={shards!r}, comm=SingleProcess()).ok\n"
+        "assert mpicons.verify is verify and mpicons.inspect is inspect\n"
+        "print('ok')\n"
+    )
+    _prints_ok(code)
+
+
+def test_public_submodules_need_no_import_of_their_own() -> None:
+    """``import mpicons`` then ``mpicons.comm.SingleProcess()``: the submodule loads on first use, MPI stays off."""
+    code = (
+        "import sys, mpicons\n"
+        "assert 'mpicons.comm' not in sys.modules and 'comm' in dir(mpicons)\n"
+        "mpicons.comm.Communicator, mpicons.comm.SingleProcess(), mpicons.sample.SampleConfig\n"
+        "assert 'mpi4py.MPI' not in sys.modules, 'a lazy submodule'\n"
+        "print('ok')\n"
+    )
+    _prints_ok(code)
