@@ -9,13 +9,14 @@ failure.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import os
 import re
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from . import __version__
@@ -50,6 +51,7 @@ _SPLITS = ("bytes", "files")
 _BACKENDS = ("posix", "mpiio")
 _FORMATS = ("safetensors", "hdf5")
 _DTYPES = ("bf16", "fp16", "fp32")
+_SERIALIZATIONS = ("torch_save", "safetensors")  # how a .distcp sample holds its tensors
 
 
 def launcher_rank() -> int:
@@ -62,7 +64,24 @@ def launcher_rank() -> int:
 
 
 class _Parser(argparse.ArgumentParser):
-    """Usage errors and help printed once per job (by rank 0), not once per rank."""
+    """Usage errors and help printed once per job (by rank 0), not once per rank.
+
+    Options are never abbreviated (``--forc`` is not ``--force``: a prefix must not take a dangerous
+    flag), and an unknown option is reported by the parser of the command it was given to, with that
+    command's usage and the closest options it has.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}{_suggestion(extras, self._option_string_actions)}")
+        return parsed, extras
 
     def _print_message(self, message: str, file: Any = None) -> None:
         if launcher_rank() == 0 and message:
@@ -71,6 +90,16 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _suggestion(extras: Sequence[str], known: Iterable[str]) -> str:
+    """`` (did you mean --force?)`` for the first unknown option: the options it begins, else the closest."""
+    typed = next((extra.partition("=")[0] for extra in extras if extra.startswith("-")), None)
+    if typed is None:
+        return ""
+    long_options = sorted(option for option in known if option.startswith("--"))
+    close = [o for o in long_options if o.startswith(typed)] or difflib.get_close_matches(typed, long_options, n=1, cutoff=0.75)
+    return f" (did you mean {' or '.join(close[:3])}?)" if close else ""
 
 
 def say(text: str, stream: IO[str] | None = None, end: str = "\n") -> None:
@@ -145,11 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--size", type=parse_size, default=0, help="approximate checkpoint size, e.g. 1GB (default: small)")
     demo.add_argument(
         "--distcp",
-        nargs="?",
-        const="torch_save",
-        choices=("torch_save", "safetensors"),
-        help="write the sample in DCP's default format (.metadata + .distcp; serialization torch_save unless named) "
-        "instead of DCP's Hugging Face layout",
+        action="store_true",
+        help="write the sample in DCP's default format (.metadata + .distcp) instead of DCP's Hugging Face layout",
+    )
+    demo.add_argument(
+        "--serialization",
+        choices=_SERIALIZATIONS,
+        help="how the .distcp files hold tensors (implies --distcp; default: torch_save, as torch.save does)",
     )
     _add_job_options(demo)
     demo.set_defaults(func=_cmd_demo)
@@ -282,9 +313,13 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
 
 
 def job_options(args: argparse.Namespace) -> Options:
-    """The library's options object from the parsed command line (every field has an option)."""
-    from .options import Options
+    """The library's options object from the parsed command line (every field has an option).
 
+    ``MPICONS_PROGRESS`` is checked here too, so a wrong value stops the run before any work."""
+    from .options import Options
+    from .progress import progress_choice
+
+    progress_choice()
     return Options(
         mapping=args.mapping,
         split=args.split,
@@ -353,23 +388,35 @@ def _check_report_paths(comm: Comm, *paths: str | None) -> None:
 
 
 def _print_result(args: argparse.Namespace, comm: Comm, result: ConsolidateResult) -> None:
-    from .reports import skipped_entries
+    from .progress import report_columns
 
     if comm.rank != 0 or args.quiet or args.stats_json == "-":
         return
-    lines = [result.stats.table()]
-    if args.verbose:
-        lines += [f"  rank {rank}: writes {count} bytes" for rank, count in enumerate(result.bytes_per_rank)]
+    say("\n".join(closing_report(result, args.verbose, report_columns(sys.stdout))))
+
+
+def closing_report(result: ConsolidateResult, verbose: bool, width: int) -> list[str]:
+    """The lines printed after a consolidation, fitted to ``width`` columns (one item per line where a
+    line would not fit; only a single name longer than the width can pass it)."""
+    from .reports import count_of, fit_items, skipped_parts, wrapped
+
+    lines = result.stats.table(width).split("\n")
+    if verbose:
+        lines += [f"  rank {rank}: writes {count_of(count, 'byte')}" for rank, count in enumerate(result.bytes_per_rank)]
         if not result.shared_input:
-            lines.append(f"  node-local shards: {result.moved_bytes} bytes moved over MPI")
+            lines.append(f"  node-local shards: {count_of(result.moved_bytes, 'byte')} moved over MPI")
         if result.hints:
-            lines.append("  MPI-IO hints in effect: " + ", ".join(f"{k}={v}" for k, v in sorted(result.hints.items())))
+            hints = [f"{k}={v}" for k, v in sorted(result.hints.items())]
+            lines += fit_items("  MPI-IO hints in effect: ", hints, width, indent="    ")
     if result.skipped:
-        lines.append(f"mpicons: skipped {skipped_entries(result.skipped)}")
-    index = f" and {result.index_file}" if result.index_file else ""
-    files = ", ".join(result.files) if len(result.files) < 4 else f"{len(result.files)} files"
-    lines.append(f"mpicons: wrote {files}{index} to {result.output_dir}")
-    say("\n".join(lines))
+        counted, names = skipped_parts(result.skipped)
+        lines += fit_items(f"mpicons: skipped {counted}: ", names, width)
+    names = list(result.files) if len(result.files) < 4 else [count_of(len(result.files), "file")]
+    index = [result.index_file] if result.index_file else []
+    line = f"mpicons: wrote {', '.join(names)}{''.join(' and ' + i for i in index)} to {result.output_dir}"
+    if len(line) <= width:
+        return wrapped([*lines, line], width)
+    return wrapped([*lines, f"mpicons: wrote to {result.output_dir}:", *("  " + name for name in names + index)], width)
 
 
 def _stats_report(result: ConsolidateResult) -> dict[str, object]:
@@ -393,22 +440,24 @@ def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
     from .sample import SampleConfig, check_sample, write_sample
 
     _check_report_paths(comm, args.stats_json)
+    from .reports import count_of
     config = SampleConfig.sized(args.size) if args.size else SampleConfig()
-    sharded = os.path.join(args.directory, "sharded" if args.distcp is None else f"distcp-{args.distcp}")
+    distcp = args.serialization or (_SERIALIZATIONS[0] if args.distcp else None)
+    sharded = os.path.join(args.directory, "sharded" if distcp is None else f"distcp-{distcp}")
     output = os.path.join(args.directory, "consolidated")
     if comm.rank == 0 and not args.quiet:
-        kind = "" if args.distcp is None else f" in DCP's .distcp format ({args.distcp})"
+        kind = "" if distcp is None else f" in DCP's .distcp format ({distcp})"
         say(
             f"mpicons demo: writing a sample checkpoint{kind} ({config.layers} layers, hidden {config.hidden}, "
             f"{config.dp}x{config.tp} training mesh) to {sharded}"
         )
-    write_sample(sharded, config, comm, distcp=args.distcp)
+    write_sample(sharded, config, comm, distcp=distcp)
     result = consolidate(sharded, output, job_options(args), comm=comm, force=True)
     _print_result(args, comm, result)
     write_report(comm, args.stats_json, lambda: _stats_report(result))
     checked = check_sample(output, config, comm)
     if comm.rank == 0 and not args.quiet:
-        say(f"mpicons demo: {checked} tensors in {output} match the sample's full tensors bit for bit")
+        say(f"mpicons demo: {count_of(checked, 'tensor')} in {output} match the sample's full tensors bit for bit")
     return 0
 
 

@@ -7,7 +7,7 @@ import resource
 import socket
 
 from .errors import InputError
-from .reports import human_bytes
+from .reports import count_of, human_bytes, human_size
 
 
 def host_name() -> str:
@@ -57,11 +57,11 @@ def check_buffer_size(buffer_size: int, ranks_on_node: int) -> None:
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY and buffer_size >= soft:
         raise InputError(
-            f"--buffer-size {human_bytes(buffer_size)} is above this process's address-space limit ({human_bytes(soft)})"
+            f"--buffer-size {human_size(buffer_size)} is above this process's address-space limit ({human_bytes(soft)})"
         )
     available = available_memory()
     if available is not None and buffer_size * ranks_on_node > available:
         raise InputError(
-            f"--buffer-size {human_bytes(buffer_size)} per rank × {ranks_on_node} rank(s) on {host_name()} is more than "
+            f"--buffer-size {human_size(buffer_size)} per rank × {count_of(ranks_on_node, 'rank')} on {host_name()} is more than "
             f"the {human_bytes(available)} of memory available there; choose a smaller size (default 32M)"
         )

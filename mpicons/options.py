@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Mapping
+import textwrap
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
@@ -16,49 +18,70 @@ BACKENDS = ("posix", "mpiio")
 FORMATS = ("safetensors", "hdf5")
 
 
+def _option(default: Any, doc: str, factory: Callable[[], Any] | None = None) -> Any:
+    """A field with its documentation kept where ``help(Options)`` and tools can read it."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"doc": doc})
+    return field(default=default, metadata={"doc": doc})
+
+
 @dataclass(frozen=True)
 class Options:
     """How a consolidation runs. Every field is also a command-line option (``--buffer-size`` for
     ``buffer_size``, and so on); the defaults are the command line's."""
 
-    mapping: str | os.PathLike[str] | Mapping[str, object] | None = None
-    """Which tensor goes to which output file: a path to JSON or the parsed object, either torch's
-    ``fqn_to_index_mapping`` (``{name: index}``) or a Hugging Face index (``{"weight_map": {name: file}}``).
-    None: from the shard names (DCP), or each tensor stays in its file (plain safetensors)."""
-    split: str = "bytes"
-    """How work is divided: ``bytes`` gives every rank an equal stretch of output bytes, cut at row
-    boundaries; ``files`` deals whole output files round-robin (torch's policy)."""
-    io: str = "posix"
-    """Output backend: ``posix`` (pwrite, ``copy_file_range``) or ``mpiio`` (``MPI.File``, ``Write_at``)."""
-    buffer_size: int = DEFAULT_BUFFER_SIZE
-    """Bytes of buffers per rank for assembling blocks; memory per rank stays near this plus the
-    rank's part of the plan, whatever the tensor sizes. Checked against the node's memory up front."""
-    hints: Mapping[str, str] = field(default_factory=dict)
-    """MPI-IO hints for ``io="mpiio"`` (e.g. ``{"striping_factor": "16"}``); applied when the files are created."""
-    force: bool = False
-    """Replace a checkpoint already in the output directory (its files the new index does not name go too)."""
-    break_lock: bool = False
-    """Take over an output directory whose lock is held by a run that cannot be proven dead."""
-    progress: float | None = None
-    """Seconds between progress reports on rank 0's standard error (a bar on a watched terminal); None: silent."""
-    verbose: bool = False
-    """Progress lines name the slowest rank."""
-    dtype: str | None = None
-    """``bf16``, ``fp16`` or ``fp32``: convert floating-point tensors (round to nearest even); None: as saved."""
-    max_shard_size: int | None = None
-    """Re-shard like Hugging Face: files filled in order up to this many bytes (``5GB`` = 5·10⁹)."""
-    output_format: str = "safetensors"
-    """``safetensors`` (Hugging Face files and index) or ``hdf5`` (one ``model.h5``; needs h5py)."""
-    gather_to: int | None = None
-    """Write every output on this rank only (its local output directory); data moves over MPI."""
-    sync: bool = True
-    """Flush outputs to stable storage before publishing them (``False``: faster, not power-loss safe)."""
-    include: tuple[str, ...] = ()
-    """Glob patterns (``fnmatch``, on the full state-dict name): keep only the tensors matching one. Empty: all."""
-    exclude: tuple[str, ...] = ()
-    """Glob patterns: leave out the tensors matching one (after ``include``)."""
-    strip_prefix: str | None = None
-    """Remove this prefix from the names that start with it (``model.`` for accelerate's FSDP checkpoints)."""
+    mapping: str | os.PathLike[str] | Mapping[str, object] | None = _option(
+        None,
+        "Which tensor goes to which output file: a path to JSON or the parsed object, either torch's "
+        '``fqn_to_index_mapping`` (``{name: index}``) or a Hugging Face index (``{"weight_map": {name: file}}``). '
+        "None: from the shard names (DCP), or each tensor stays in its file (plain safetensors).",
+    )
+    split: str = _option(
+        "bytes",
+        "How work is divided: ``bytes`` gives every rank an equal stretch of output bytes, cut at row "
+        "boundaries; ``files`` deals whole output files round-robin (torch's policy).",
+    )
+    io: str = _option(
+        "posix", "Output backend: ``posix`` (pwrite, ``copy_file_range``) or ``mpiio`` (``MPI.File``, ``Write_at``)."
+    )
+    buffer_size: int = _option(
+        DEFAULT_BUFFER_SIZE,
+        "Bytes of buffers per rank for assembling blocks; memory per rank stays near this plus the "
+        "rank's part of the plan, whatever the tensor sizes. Checked against the node's memory up front.",
+    )
+    hints: Mapping[str, str] = _option(
+        None,
+        'MPI-IO hints for ``io="mpiio"`` (e.g. ``{"striping_factor": "16"}``); applied when the files are created.',
+        factory=dict,
+    )
+    force: bool = _option(
+        False, "Replace a checkpoint already in the output directory (its files the new index does not name go too)."
+    )
+    break_lock: bool = _option(False, "Take over an output directory whose lock is held by a run that cannot be proven dead.")
+    progress: float | None = _option(
+        None, "Seconds between progress reports on rank 0's standard error (a bar on a watched terminal); None: silent."
+    )
+    verbose: bool = _option(False, "Progress lines name the slowest rank.")
+    dtype: str | None = _option(
+        None, "``bf16``, ``fp16`` or ``fp32``: convert floating-point tensors (round to nearest even); None: as saved."
+    )
+    max_shard_size: int | None = _option(
+        None, "Re-shard like Hugging Face: files filled in order up to this many bytes (``5GB`` = 5·10⁹)."
+    )
+    output_format: str = _option(
+        "safetensors", "``safetensors`` (Hugging Face files and index) or ``hdf5`` (one ``model.h5``; needs h5py)."
+    )
+    gather_to: int | None = _option(
+        None, "Write every output on this rank only (its local output directory); data moves over MPI."
+    )
+    sync: bool = _option(True, "Flush outputs to stable storage before publishing them (``False``: faster, not power-loss safe).")
+    include: tuple[str, ...] = _option(
+        (), "Glob patterns (``fnmatch``, on the full state-dict name): keep only the tensors matching one. Empty: all."
+    )
+    exclude: tuple[str, ...] = _option((), "Glob patterns: leave out the tensors matching one (after ``include``).")
+    strip_prefix: str | None = _option(
+        None, "Remove this prefix from the names that start with it (``model.`` for accelerate's FSDP checkpoints)."
+    )
 
     def check(self, ranks: int) -> None:
         """Refuse options that are wrong whatever the checkpoint (the same on every rank)."""
@@ -100,5 +123,18 @@ class Options:
                 changes[name] = tuple(changes[name])
         return replace(self, **changes)
 
+
+def _documented(cls: type) -> str:
+    """The class docstring followed by every field and its documentation, as ``help()`` shows them."""
+    entries = []
+    for option in fields(cls):
+        doc = textwrap.fill(
+            option.metadata["doc"], width=92, initial_indent="        ", subsequent_indent="        ", break_on_hyphens=False
+        )
+        entries.append(f"    {option.name}\n{doc}")
+    return f"{inspect.cleandoc(cls.__doc__ or '')}\n\nFields:\n" + "\n".join(entries)
+
+
+Options.__doc__ = _documented(Options)
 
 __all__ = ["Options", "DEFAULT_BUFFER_SIZE", "SPLITS", "BACKENDS", "FORMATS"]

@@ -27,6 +27,7 @@ from .convert import converted_dtype
 from .errors import InputError
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
 from .outdir import plain_file_name
+from .reports import count_of
 from .table import Pieces, ShardFiles, Table, missing_shards, shard_file_name  # noqa: F401 - re-exported
 
 #: What Hugging Face ``save_pretrained`` writes; transformers refuses files without it.
@@ -383,7 +384,7 @@ def check_files(files: ShardFiles, mapping: Mapping[str, str] | None, problems: 
     odd = np.nonzero(count != count[0])[0]
     if len(odd):
         f = int(odd[0])
-        problems.add(f"{files.names[f]}: names {count[f]} output files but {files.names[0]} names {count[0]}")
+        problems.add(f"{files.names[f]}: names {count_of(int(count[f]), 'output file')} but {files.names[0]} names {count[0]}")
         return
     outside = np.nonzero((index < 1) | (index > count))[0]
     if len(outside):
@@ -437,7 +438,7 @@ def tensor_table(files: ShardFiles, names: list[str], facts: TensorFacts, proble
         elif math.prod(float(x) for x in storage) >= 2.0**62:
             problems.add(
                 f"tensor {name!r} (shape {list(tensors[t].shape)}): hole: pieces cover {int(facts.volume[t])} "
-                f"of {math.prod(tensors[t].shape)} elements",
+                f"of {count_of(math.prod(tensors[t].shape), 'element')}",
                 t,
             )
     return tensors
@@ -946,7 +947,7 @@ def _check_item(layout: Layout, part: Part, item: WorkItem, problems: Problems) 
 
 def hole_message(tensor: Tensor, hole: Hole, scope: str) -> str:
     where = f"tensor {tensor.name!r} (shape {list(tensor.shape)})"
-    missing = f" ({hole.missing} elements missing {scope})" if hole.missing else ""
+    missing = f" ({count_of(hole.missing, 'element')} missing {scope})" if hole.missing else ""
     return f"{where}: hole: no piece covers region {_element_region(tensor, hole.low, hole.high)}{missing}"
 
 
@@ -1003,7 +1004,7 @@ def _check_pairwise(
             )
             return
     if covered != expected:
-        problems.add(f"{where}: hole: pieces cover {covered} of {expected} elements {scope}", t)
+        problems.add(f"{where}: hole: pieces cover {covered} of {count_of(expected, 'element')} {scope}", t)
 
 
 # ---------------------------------------------------------------- everything in one process

@@ -16,11 +16,13 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Mapping
 from typing import TextIO
 
 import numpy as np
 
 from .comm import Communicator, Request
+from .errors import InputError
 from .reports import human_bytes
 
 TAG = 17
@@ -34,16 +36,34 @@ def _parent(pid: int) -> int:
         return 0
 
 
-def watched_terminal_columns(stream: TextIO) -> int | None:
-    """Columns of the terminal a person watches this run on, or None when output goes to a file or pipe.
+_CHOICES = ("bar", "lines")
 
-    Checked in order: ``MPICONS_PROGRESS`` (``bar``/``lines``), ``stream`` itself, then the standard
-    error and output of up to four ancestor processes on this node (``mpiexec`` and its proxy).
+
+def progress_choice(environ: Mapping[str, str] | None = None) -> str | None:
+    """``MPICONS_PROGRESS`` as mpicons reads it: ``bar``, ``lines``, or None (decided from the terminal).
+
+    Any other value is refused, so a setting meant for something else (seconds, say) is caught up front.
     """
-    choice = os.environ.get("MPICONS_PROGRESS", "").lower()
-    if choice == "lines":
-        return None
-    fallback = int(os.environ.get("COLUMNS", "80") or 80)
+    value = (os.environ if environ is None else environ).get("MPICONS_PROGRESS", "").strip().lower()
+    if not value or value in _CHOICES:
+        return value or None
+    raise InputError(
+        f"MPICONS_PROGRESS={value!r}: expected 'bar' or 'lines', or unset to decide from the terminal "
+        "(the seconds between progress lines are --progress N)"
+    )
+
+
+def _fallback_columns() -> int:
+    value = os.environ.get("COLUMNS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 80
+
+
+def terminal_columns(stream: TextIO) -> int | None:
+    """Columns of the terminal ``stream`` ends up on, or None when it goes to a file or pipe.
+
+    Checked in order: ``stream`` itself, then the standard error and output of up to four ancestor
+    processes on this node (``mpiexec`` and its proxy).
+    """
     try:
         interactive = stream.isatty()
     except (ValueError, AttributeError):
@@ -52,7 +72,7 @@ def watched_terminal_columns(stream: TextIO) -> int | None:
         try:
             return os.get_terminal_size(stream.fileno()).columns
         except (OSError, ValueError):
-            return fallback
+            return _fallback_columns()
     pid = os.getppid()
     for _ in range(4):
         if pid <= 1:
@@ -63,23 +83,63 @@ def watched_terminal_columns(stream: TextIO) -> int | None:
             except OSError:
                 continue
             if target.startswith(("/dev/pts/", "/dev/tty")):
-                try:
-                    handle = os.open(target, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
-                except OSError:
-                    return fallback
-                try:
-                    return os.get_terminal_size(handle).columns
-                except OSError:
-                    return fallback
-                finally:
-                    os.close(handle)
+                return _device_columns(target)
         pid = _parent(pid)
-    return fallback if choice == "bar" else None
+    return None
+
+
+def _device_columns(device: str) -> int:
+    try:
+        handle = os.open(device, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
+    except OSError:
+        return _fallback_columns()
+    try:
+        return os.get_terminal_size(handle).columns
+    except OSError:
+        return _fallback_columns()
+    finally:
+        os.close(handle)
+
+
+def watched_terminal_columns(stream: TextIO) -> int | None:
+    """Columns for a progress bar, or None for progress lines (output to a file or pipe).
+
+    ``MPICONS_PROGRESS`` (``bar``/``lines``) decides when set; an unknown value counts as unset here
+    (the command line refuses it before any work).
+    """
+    try:
+        choice = progress_choice()
+    except InputError:
+        choice = None
+    if choice == "lines":
+        return None
+    columns = terminal_columns(stream)
+    if columns is None and choice == "bar":
+        return _fallback_columns()
+    return columns
+
+
+def report_columns(stream: TextIO) -> int:
+    """The width to fit a closing report to: the terminal's, else ``COLUMNS`` or 80 (a log file)."""
+    return terminal_columns(stream) or _fallback_columns()
 
 
 def _duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
     return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+#: A bar never shrinks below this many cells (fields are left out first) nor grows beyond the maximum.
+MIN_CELLS, MAX_CELLS = 10, 50
+_DURATION_WIDTH = 8  # 99:59:59; longer estimates are shown as '>99h'
+_RATE_WIDTH = len("999.99 MB/s")
+_BYTES_WIDTH = len("999.99 MB")
+
+
+def _short_duration(seconds: float) -> str:
+    if seconds == float("inf"):
+        return "?"
+    return _duration(seconds) if seconds < 100 * 3600 else ">99h"
 
 
 class Progress:
@@ -175,38 +235,77 @@ class Progress:
         rate = done / elapsed if elapsed > 0 else 0.0
         fraction = min(1.0, done / self.total) if self.total else 1.0
         eta = (self.total - done) / rate if rate > 0 else float("inf")
-        amount = f"{human_bytes(done)} of {human_bytes(self.total)} ({100 * fraction:.0f}%)"
-        speed = f"{human_bytes(rate)}/s"
-        if final:
-            parts = [amount, speed, f"{_duration(elapsed)} elapsed"]
-        else:
-            parts = [
-                amount,
-                speed,
-                f"ETA {_duration(eta) if eta != float('inf') else '?'}",
-                f"{int((~self.finished).sum())}/{self.comm.size} ranks writing",
-            ]
-            if self.verbose:
-                slowest = int(np.argmin(self.counts))
-                parts.append(f"slowest rank {slowest} at {human_bytes(self.counts[slowest])}")
+        writing = int((~self.finished).sum())
+        slowest = int(np.argmin(self.counts))
         try:
             if self.bar:
-                self._draw(fraction, parts, final)
+                fields = self._bar_fields(done, fraction, rate, elapsed if final else eta, final, writing, slowest)
+                self._draw(fraction, fields, final)
             elif not final:
+                amount = f"{human_bytes(done)} of {human_bytes(self.total)} ({100 * fraction:.0f}%)"
+                parts = [amount, f"{human_bytes(rate)}/s", f"ETA {_short_duration(eta)}"]
+                parts.append(f"{writing}/{self.comm.size} ranks writing")
+                if self.verbose:
+                    parts.append(f"slowest rank {slowest} at {human_bytes(self.counts[slowest])}")
                 self.stream.write(f"mpicons: progress {', '.join(parts)}\n")
             self.stream.flush()
         except BrokenPipeError:
             self.bar, self.interval = False, float("inf")  # nobody reads: stop reporting
 
-    def _draw(self, fraction: float, parts: list[str], final: bool) -> None:
-        """One frame within the terminal's width (never wrapped), overwriting the previous one."""
-        width = max(20, (self.columns or 80) - 1)
-        while len(parts) > 1 and len(", ".join(parts)) + 12 > width:
-            parts = parts[:-1]
-        text = ", ".join(parts)[: width - 12]
-        cells = max(10, min(30, width - len(text) - 3))
+    def _field_widths(self) -> list[int]:
+        """The bar's fields, most important first, each always this wide (so the frame never changes size)."""
+        rank_digits = len(str(self.comm.size - 1))
+        widths = [
+            len("100%"),
+            max(_BYTES_WIDTH, len(human_bytes(self.total))) + len(" of ") + len(human_bytes(self.total)),
+            _RATE_WIDTH,
+            len("took ") + _DURATION_WIDTH,
+            2 * len(str(self.comm.size)) + len("/ ranks writing"),
+        ]
+        if self.verbose:
+            widths.append(len("slowest rank ") + rank_digits + len(" at ") + _BYTES_WIDTH)
+        return widths
+
+    def _bar_fields(
+        self, done: int, fraction: float, rate: float, seconds: float, final: bool, writing: int, slowest: int
+    ) -> list[str]:
+        """The fields of one frame, each padded to its width in ``_field_widths``."""
+        widths = self._field_widths()
+        size = self.comm.size
+        texts = [
+            f"{100 * fraction:.0f}%",
+            f"{human_bytes(done):>{widths[1] - 4 - len(human_bytes(self.total))}} of {human_bytes(self.total)}",
+            f"{human_bytes(rate)}/s",
+            f"{'took' if final else 'ETA':<4} {_short_duration(seconds):>{_DURATION_WIDTH}}",
+            f"{writing:>{len(str(size))}}/{size} ranks writing",
+            f"slowest rank {slowest:>{len(str(size - 1))}} at {human_bytes(self.counts[slowest]):>{_BYTES_WIDTH}}",
+        ]
+        return [text.rjust(width) for text, width in zip(texts, widths)]
+
+    def _layout(self) -> tuple[int, int]:
+        """(fields shown, bar cells) for this terminal: fields are left out, least important first,
+        until the bar has at least ``MIN_CELLS``; the bar then takes what is left, up to ``MAX_CELLS``."""
+        line = max(12, (self.columns or 80) - 1)  # the last column would make some terminals wrap
+        widths = self._field_widths()
+        shown = len(widths)
+        while shown > 1 and line - 3 - _joined_width(widths[:shown]) < MIN_CELLS:
+            shown -= 1
+        return shown, max(1, min(MAX_CELLS, line - 3 - _joined_width(widths[:shown])))
+
+    def _draw(self, fraction: float, fields: list[str], final: bool) -> None:
+        """One frame of the same width as every other (never wrapped, nothing cut), over the previous one."""
+        shown, cells = self._layout()
+        text = _SEPARATOR.join(fields[:shown])
+        cells = max(1, cells - (len(text) - _joined_width(self._field_widths()[:shown])))  # a field that overflowed
         filled = int(cells * fraction)
-        frame = f"[{'#' * filled}{'.' * (cells - filled)}] {text}"[:width]
+        frame = f"[{'#' * filled}{'.' * (cells - filled)}] {text}"
         padding = " " * max(0, self._drawn - len(frame))
         self._drawn = len(frame)
         self.stream.write("\r" + frame + padding + ("\n" if final else ""))
+
+
+_SEPARATOR = "  "
+
+
+def _joined_width(widths: list[int]) -> int:
+    return sum(widths) + len(_SEPARATOR) * (len(widths) - 1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,13 +38,58 @@ def human_bytes(count: float) -> str:
     return f"{int(count)} B"
 
 
+_BINARY_UNITS = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def human_size(count: int) -> str:
+    """A size the way a user likely wrote it: ``500 GiB (536.87 GB)`` for a whole number of binary
+    units (``500G``, ``500GiB``), else decimal (``5.00 GB`` for ``5GB``)."""
+    for unit, scale in _BINARY_UNITS:
+        if count >= scale and count % scale == 0:
+            return f"{count // scale} {unit} ({human_bytes(count)})"
+    return human_bytes(count)
+
+
 def count_of(n: int, noun: str, plural: str | None = None) -> str:
-    """``1 file``, ``3 files`` (``plural`` where adding an s will not do)."""
+    """``1 file``, ``3 files`` (``plural`` where adding an s will not do): every message's plural."""
     return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def fit_items(head: str, items: Sequence[str], width: int, separator: str = ", ", indent: str = "  ") -> list[str]:
+    """``head`` and ``items`` on one line when that fits in ``width`` columns, else ``head`` alone and
+    one item per indented line: a report line wrapped by the terminal breaks mid-word."""
+    line = head + separator.join(items)
+    if len(line) <= width or not items:
+        return [line]
+    if not head.strip():  # nothing to head the list: the items alone, one per line
+        return [head + item for item in items]
+    return [head.rstrip(), *(indent + item for item in items)]
+
+
+def wrapped(lines: Sequence[str], width: int) -> list[str]:
+    """Lines still longer than ``width`` broken between words (continuations indented two more columns),
+    never inside a word: a terminal's own wrapping cuts names and numbers in two."""
+    result: list[str] = []
+    for line in lines:
+        if len(line) <= width:
+            result.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip()) + 2)
+        result += textwrap.wrap(
+            line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False, drop_whitespace=True
+        )
+    return result
+
+
+def skipped_parts(names: Sequence[str], show: int = 5) -> tuple[str, list[str]]:
+    """(``2 entries that are not tensors``, the first ``show`` names and ``and N more``)."""
+    counted = count_of(len(names), "entry that is not a tensor", "entries that are not tensors")
+    more = [f"and {len(names) - show} more"] if len(names) > show else []
+    return counted, [*names[:show], *more]
 
 
 def skipped_entries(names: Sequence[str], show: int = 5) -> str:
     """``2 entries that are not tensors: a, b`` (the first ``show`` named)."""
-    more = f" and {len(names) - show} more" if len(names) > show else ""
-    counted = count_of(len(names), "entry that is not a tensor", "entries that are not tensors")
-    return f"{counted}: {', '.join(names[:show])}{more}"
+    counted, shown = skipped_parts(names, show)
+    more = f" {shown.pop()}" if len(names) > show else ""
+    return f"{counted}: {', '.join(shown)}{more}"

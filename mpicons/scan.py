@@ -41,6 +41,7 @@ from .plan import (
     piece_destinations,
     set_odd,
 )
+from .reports import count_of
 from .table import (
     Pieces,
     ShardFiles,
@@ -309,7 +310,8 @@ def select(
         and not any(fnmatch.fnmatchcase(name, g) for g in exclude)
     ]
     if not keep:
-        raise InputError(f"{scanned.directory}: the --include/--exclude patterns leave none of the {len(names)} tensors")
+        left_out = count_of(len(names), "tensor")
+        raise InputError(f"{scanned.directory}: the --include/--exclude patterns leave none of the {left_out}")
     renamed = [names[t][len(strip_prefix) :] if strip_prefix and names[t].startswith(strip_prefix) else names[t] for t in keep]
     seen: dict[str, int] = {}
     for t, new in zip(keep, renamed):

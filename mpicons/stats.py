@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .comm import Communicator
-from .reports import human_bytes
+from .reports import count_of, fit_items, human_bytes, wrapped
 
 PHASES = ("scan", "plan", "write", "finalize")
 
@@ -75,19 +75,22 @@ class Stats:
         result.update(imbalance=self.imbalance, rate_gbs=self.rate_gbs, write_rate_gbs=self.write_rate_gbs)
         return result
 
-    def table(self) -> str:
+    def table(self, width: int = 80) -> str:
+        """The closing report, no line longer than ``width`` where it can be helped (one item per line)."""
         lines = [
-            f"mpicons: {self.files} files, {self.tensors} tensors, {human_bytes(self.total_bytes)} "
-            f"on {self.ranks} rank{'s' if self.ranks != 1 else ''}",
+            f"mpicons: {count_of(self.files, 'file')}, {count_of(self.tensors, 'tensor')}, "
+            f"{human_bytes(self.total_bytes)} on {count_of(self.ranks, 'rank')}",
             f"{'phase':<10}{'min s':>10}{'mean s':>10}{'max s':>10}",
         ]
         for name, spread in [*self.phases.items(), ("total", self.elapsed)]:
             lines.append(f"{name:<10}{spread.min:>10.3f}{spread.mean:>10.3f}{spread.max:>10.3f}")
-        lines.append(
-            f"rate {human_bytes(self.rate_gbs * 1e9)}/s overall, {human_bytes(self.write_rate_gbs * 1e9)}/s writing; "
-            f"bytes/rank max/mean {self.imbalance:.2f}; peak RSS/rank max {self.peak_rss_mb.max:.0f} MB"
-        )
-        return "\n".join(lines)
+        figures = [
+            f"rate {human_bytes(self.rate_gbs * 1e9)}/s overall, {human_bytes(self.write_rate_gbs * 1e9)}/s writing",
+            f"bytes/rank max/mean {self.imbalance:.2f}",
+            f"peak RSS/rank max {self.peak_rss_mb.max:.0f} MB",
+        ]
+        lines += fit_items("", figures, width, separator="; ")
+        return "\n".join(wrapped(lines, width))
 
 
 def peak_rss_mb() -> float:

@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import pydoc
+import subprocess
+import sys
 from dataclasses import fields
 
-from helpers import FIXTURES, mpirun
+import pytest
+from helpers import FIXTURES, cli, mpirun, subprocess_env
 
-from mpicons.cli import build_parser, job_options
+from mpicons.cli import build_parser, closing_report, job_options, main, parse_size
+from mpicons.consolidation import ConsolidateResult
 from mpicons.options import Options
+from mpicons.reports import count_of, human_size
+from mpicons.stats import PHASES, Spread, Stats
 
 INPUT = FIXTURES / "edge-3ranks" / "sharded"
 
@@ -103,3 +111,143 @@ def test_format_and_gather_flags_take_effect(tmp_path):
     report = json.loads(stats.read_text())
     assert report["bytes_per_rank"]["max"] == report["total_bytes"]  # rank 2 wrote everything
     assert report["moved_bytes"] == 0 and report["shared_input"]  # ...reading it all from the shared directory
+
+
+def _subparsers(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (commands,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(commands.choices)
+
+
+def test_no_parser_takes_abbreviations():
+    parser = build_parser()
+    assert not parser.allow_abbrev
+    assert {name: sub.allow_abbrev for name, sub in _subparsers(parser).items()} == {
+        "consolidate": False,
+        "demo": False,
+        "verify": False,
+        "inspect": False,
+    }
+
+
+@pytest.mark.parametrize(
+    "argv, suggestion",
+    [
+        (["consolidate", "in", "out", "--forc"], "--force"),
+        (["consolidate", "in", "out", "--break"], "--break-lock"),
+        (["demo", "--progres", "3"], "--progress"),
+        (["verify", "out", "--agaist", "in"], "--against"),
+        (["inspect", "in", "--limt", "3"], "--limit"),
+    ],
+)
+def test_a_typo_is_refused_with_the_commands_usage_and_a_suggestion(capsys, argv, suggestion):
+    """A prefix of a dangerous flag is not that flag; the error comes from the command's own parser."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: mpicons {argv[0]} ")
+    assert f"mpicons {argv[0]}: error: unrecognized arguments: --" in err
+    assert f"(did you mean {suggestion}?)" in err
+
+
+def test_nothing_close_suggests_nothing(capsys):
+    assert main(["consolidate", "in", "out", "--zzzz"]) == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: --zzzz\n" in err and "did you mean" not in err
+
+
+def test_demo_distcp_is_a_flag_before_the_directory():
+    args = build_parser().parse_args(["demo", "--distcp", "work"])
+    assert (args.directory, args.distcp, args.serialization) == ("work", True, None)
+    args = build_parser().parse_args(["demo", "work", "--serialization", "safetensors"])
+    assert (args.directory, args.serialization) == ("work", "safetensors")
+
+
+def test_demo_distcp_dir_writes_there(tmp_path):
+    proc, _ = cli(1, "demo", "--distcp", tmp_path / "d", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "d" / "distcp-torch_save" / ".metadata").is_file()
+    assert (tmp_path / "d" / "consolidated" / "model.safetensors").is_file()
+
+
+def test_a_wrong_progress_setting_stops_the_run_up_front(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mpicons", "consolidate", str(INPUT), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=subprocess_env(MPICONS_PROGRESS="30"),
+    )
+    assert proc.returncode == 2
+    assert "MPICONS_PROGRESS='30': expected 'bar' or 'lines'" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_help_of_options_shows_every_field_and_its_meaning():
+    text = pydoc.render_doc(Options, renderer=pydoc.plaintext)
+    flat = " ".join(text.replace("|", " ").split())
+    for option in fields(Options):
+        doc = " ".join(option.metadata["doc"].split())
+        assert f" {option.name} {doc}" in flat, option.name
+
+
+def test_size_echo_keeps_the_unit_the_user_wrote():
+    assert human_size(parse_size("500G")) == "500 GiB (536.87 GB)"
+    assert human_size(parse_size("64MiB")) == "64 MiB (67.11 MB)"
+    assert human_size(parse_size("5GB")) == "5.00 GB"
+    assert human_size(parse_size("1000")) == "1.00 kB"
+
+
+def test_plurals():
+    assert [count_of(n, "file") for n in (0, 1, 2)] == ["0 files", "1 file", "2 files"]
+    assert count_of(1, "entry", "entries") == "1 entry"
+
+
+def _result(files: list[str], output_dir: str, **stats: object) -> ConsolidateResult:
+    spread = Spread(0.5, 12.25, 1234.5)
+    figures = dict(ranks=1, files=len(files), tensors=1, total_bytes=1_234_567_890_123) | stats
+    table = Stats(phases=dict.fromkeys(PHASES, spread), elapsed=spread, bytes_per_rank=spread, peak_rss_mb=spread, **figures)
+    return ConsolidateResult(
+        output_dir=output_dir,
+        files=files,
+        index_file="model.safetensors.index.json" if len(files) > 1 else "",
+        tensors=1,
+        total_bytes=1,
+        stats=table,
+        layout=None,  # type: ignore[arg-type]
+        hints={"romio_cb_write": "enable", "striping_factor": "16", "cb_buffer_size": "16777216"},
+        bytes_per_rank=[1, 2],
+        moved_bytes=1,
+        shared_input=False,
+        skipped=[f"optimizer.state.{i}" for i in range(7)],
+    )
+
+
+@pytest.mark.parametrize("width", [40, 60, 80, 120])
+def test_closing_report_fits_the_terminal(width):
+    files = [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    lines = closing_report(_result(files, "out"), verbose=True, width=width)
+    assert all(len(line) <= width for line in lines), [line for line in lines if len(line) > width]
+    text = " ".join(" ".join(lines).split())  # the words, wherever the lines were broken
+    for expected in [
+        *files,
+        "model.safetensors.index.json",
+        "3 files",
+        "1 tensor",
+        "1 rank",
+        "1 byte moved",
+        "2 bytes",
+        "optimizer.state.4",
+    ]:
+        assert expected in text  # fitted by breaking between items, nothing cut
+    assert "1 bytes" not in text and "1 tensors" not in text and "1 ranks" not in text
+
+
+def test_closing_report_keeps_one_line_per_item_when_it_fits():
+    lines = closing_report(_result(["model.safetensors"], "out"), verbose=False, width=200)
+    assert lines[0] == "mpicons: 1 file, 1 tensor, 1.23 TB on 1 rank"
+    assert lines[-1] == "mpicons: wrote model.safetensors to out"
+    assert (
+        lines[-2]
+        == "mpicons: skipped 7 entries that are not tensors: "
+        + ", ".join(f"optimizer.state.{i}" for i in range(5))
+        + ", and 2 more"
+    )

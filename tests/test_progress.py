@@ -14,7 +14,8 @@ from mpi4py import MPI
 from test_failures import INJECT, INPUT, mpirun
 
 from mpicons.comm import as_communicator
-from mpicons.progress import Progress, human_bytes, watched_terminal_columns
+from mpicons.errors import InputError
+from mpicons.progress import Progress, human_bytes, progress_choice, watched_terminal_columns
 
 
 class FakeTerminal(io.StringIO):
@@ -66,25 +67,66 @@ def test_quiet_prints_nothing(tmp_path, lines_mode):
     assert proc.stdout == "" and proc.stderr == ""
 
 
-@pytest.mark.parametrize("columns", [80, 40])
-def test_bar_fits_the_terminal_and_ends_on_a_full_frame(monkeypatch, columns):
+def _frames(monkeypatch, columns: int, comm, counts: list[int], verbose: bool = True) -> list[str]:
+    """The bar's frames while bytes arrive in steps of ``counts`` (rank 1's count changing too), then the end."""
     monkeypatch.setenv("COLUMNS", str(columns))
     monkeypatch.delenv("MPICONS_PROGRESS", raising=False)
     stream = FakeTerminal()
-    reporter = Progress(as_communicator(MPI.COMM_SELF), total=4_000_000, interval=10, stream=stream, verbose=True)
+    reporter = Progress(comm, total=4_000_000_000, interval=10, stream=stream, verbose=verbose)
     reporter.tick = 0
-    reporter.last_print -= 1
-    reporter.add(1_000_000)
-    reporter.add(3_000_000)
+    for step, count in enumerate(counts):
+        reporter.last_print -= 1
+        if comm.size > 1:  # another rank reports, then finishes half-way: "ranks writing" changes
+            reporter.counts[1] = 10**step
+            reporter.finished[1] = step >= len(counts) // 2
+        reporter.add(count)
+    reporter.finished[1:] = True
     reporter.finish()
-    text = stream.getvalue()
-    frames = text.split("\r")[1:]
-    assert len(frames) >= 2  # while writing, and at the end
-    assert frames[0].startswith("[") and "1.00 MB of 4.00 MB (25%)" in frames[0]
-    assert all(len(frame.rstrip("\n")) < columns for frame in frames)  # never wraps
-    assert frames[-1].endswith("\n") and "4.00 MB of 4.00 MB (100%)" in frames[-1]
-    assert ("elapsed" in frames[-1]) == (columns == 80)  # what does not fit is left out, not wrapped
-    assert text.count("\n") == 1  # one line in the end, drawn over
+    return stream.getvalue().split("\r")[1:]
+
+
+class FakeWorld:
+    """Rank 0 of a 12-rank job, for rendering only (no messages are exchanged)."""
+
+    rank, size = 0, 12
+
+    def irecv(self, *args):
+        return None
+
+
+@pytest.mark.parametrize("columns", [40, 60, 80, 120])
+@pytest.mark.parametrize("world", ["self", "twelve"])
+def test_bar_frames_all_have_one_width_within_the_terminal(monkeypatch, columns, world):
+    """From 0 B to terabytes, fast and slow, while ranks finish: every frame is exactly as wide."""
+    comm = as_communicator(MPI.COMM_SELF) if world == "self" else FakeWorld()
+    monkeypatch.setattr(Progress, "_poll", lambda self: None)
+    counts = [0, 999, 1_000, 123_456, 99_999_999, 1_000_000_000, 2_000_000_000, 999_000_000]
+    frames = _frames(monkeypatch, columns, comm, counts)
+    assert len(frames) == len(counts) + 1
+    widths = {len(frame.rstrip("\n")) for frame in frames}
+    assert len(widths) == 1 and widths.pop() <= columns - 1, frames  # the last column is never written
+    assert frames[-1].endswith("\n") and " 100% " in frames[-1] and " of 4.00 GB" in frames[-1]
+    assert all(frame.startswith("[") and "] " in frame for frame in frames)
+    bars = [frame[1 : frame.index("]")] for frame in frames]
+    assert len({len(bar) for bar in bars}) == 1 and len(bars[0]) >= 10
+    if columns >= 80:  # room for the fields that say when it ends and who is still writing
+        assert "ETA" in frames[0] and "took" in frames[-1]
+        assert "ranks writing" in frames[0] or columns < 120
+
+
+def test_bar_fields_are_whole_or_left_out(monkeypatch):
+    """What does not fit is left out, never cut: each frame ends with a complete field."""
+    for columns in range(30, 200, 7):
+        frames = _frames(monkeypatch, columns, as_communicator(MPI.COMM_SELF), [1_000_000, 3_000_000])
+        for frame in frames:
+            assert re.search(r"(%|of 4\.00 GB|/s|\d:\d\d:\d\d|\?|ranks writing|[kMG]?B)\n?$", frame), (columns, frame)
+
+
+def test_wrong_progress_setting_is_refused_by_name():
+    assert progress_choice({"MPICONS_PROGRESS": "Lines"}) == "lines"
+    assert progress_choice({}) is None
+    with pytest.raises(InputError, match="MPICONS_PROGRESS='30'.*--progress N"):
+        progress_choice({"MPICONS_PROGRESS": "30"})
 
 
 def test_terminal_behind_the_launcher_is_found():

@@ -303,7 +303,7 @@ def test_unwritable_report_paths_are_refused_before_any_work(tmp_path):
 def test_a_buffer_the_machine_cannot_give_is_refused_up_front(tmp_path):
     proc, seconds = cli(2, "consolidate", INPUT, tmp_path / "out", "--buffer-size", "1T")
     assert proc.returncode == 2 and seconds < 20
-    assert "--buffer-size 1.10 TB per rank" in one_error(proc) and "memory available" in proc.stderr
+    assert "--buffer-size 1 TiB (1.10 TB) per rank" in one_error(proc) and "memory available" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 
