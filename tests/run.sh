@@ -5,8 +5,12 @@
 # 1 to 4 with slow tests). Tests marked slow run only with --run-slow (or MPICONS_SLOW=1, as CI
 # does). torch (version MPICONS_TORCH, default 2.13.0) is installed into .venv for the torchrun
 # tests unless one is there; MPICONS_TORCH=none skips them.
-#   bash tests/run.sh              # the default run (about two minutes on two cores)
-#   bash tests/run.sh --run-slow   # everything
+#   bash tests/run.sh              # the default run: about five minutes on two cores, most of it
+#                                  # the four MPI passes (each starts its ranks and MPI subprocesses)
+#   bash tests/run.sh --run-slow   # everything: much longer (the slow tests are the large and
+#                                  # failure-injection runs)
+# The MPI and torch passes select their own tests (-m), so the tests they do not run are left out
+# of their output instead of printed as a line of skips.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -42,7 +46,7 @@ for ranks in 1 2 3 4; do
   timeout 900 .venv/bin/mpiexec -n "$ranks" bash -c '
     rank=${PMI_RANK:-${OMPI_COMM_WORLD_RANK:-0}}
     if [ "$rank" = 0 ]; then exec "${@:2}"; else exec "${@:2}" >"$1/rank-$rank" 2>&1; fi' \
-    _ "$logs" .venv/bin/python -m mpi4py -m pytest -q -x -p no:cacheprovider --only-mpi "$@" tests \
+    _ "$logs" .venv/bin/python -m mpi4py -m pytest -q -x -p no:cacheprovider --only-mpi -m mpi "$@" tests \
     | without_banners | tee "$logs/mpi-$ranks" || status=$?
   if [ "$status" != 0 ]; then
     for log in "$logs"/rank-*; do [ -e "$log" ] && { echo "== output of ${log##*/}"; without_banners <"$log"; }; done
@@ -60,7 +64,7 @@ for procs in "${torch_sizes[@]}"; do
   status=0
   # Every process's output goes to a log file: rank 0's is shown, the others' only on failure.
   OMP_NUM_THREADS=1 timeout 600 .venv/bin/torchrun --standalone --nproc-per-node "$procs" --log-dir "$logs/torch-logs-$procs" \
-    --redirects 3 -m pytest -q -x -p no:cacheprovider --only-torch "$@" tests/test_torch.py \
+    --redirects 3 -m pytest -q -x -p no:cacheprovider --only-torch -m torch_dist "$@" tests/test_torch.py \
     >"$logs/torchrun-$procs" 2>&1 || status=$?
   find "$logs/torch-logs-$procs" -path '*/0/stdout.log' -exec cat {} + | tee "$logs/torch-$procs"
   if [ "$status" != 0 ]; then
@@ -71,7 +75,7 @@ for procs in "${torch_sizes[@]}"; do
 done
 
 echo "== summary"
-summary() { grep -E '^[0-9]+ (passed|failed|skipped)' "$1" | head -n 1; }
+summary() { grep -E '^[0-9]+ (passed|failed|skipped|deselected)' "$1" | head -n 1; }
 printf '%-20s %s\n' "types" "$(tail -n 1 "$logs/types")" "serial" "$(summary "$logs/serial")"
 for ranks in 1 2 3 4; do
   printf '%-20s %s\n' "MPI at $ranks rank(s)" "$(summary "$logs/mpi-$ranks")"
