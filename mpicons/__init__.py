@@ -30,7 +30,9 @@ _EXPORTS = {
 _SUBMODULES = ("comm", "sample", "torch")
 
 if TYPE_CHECKING:
-    from . import comm, sample, torch
+    from . import comm as comm  # submodules as attributes, not star-exported
+    from . import sample as sample
+    from . import torch as torch
     from .comm import Communicator
     from .consolidation import ConsolidateResult, consolidate
     from .errors import InputError, MpiconsError, WriteError
