@@ -7,16 +7,21 @@ checkpoint with its index.
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
 import pytest
 
 import mpicons.outdir as outdir
+from mpicons.comm import SingleProcess
 from mpicons.errors import InputError, WriteError
-from mpicons.outdir import LOCK_NAME, Holder, OutputDir, OutputLock, recover
+from mpicons.outdir import LOCK_NAME, Holder, OutputDir, OutputLock, UntrustedJournal, recover
+from mpicons.parallel import agree
 
 OLD = {
     "model-00001-of-00003.safetensors": b"old one",
@@ -80,8 +85,6 @@ def steps(directory: Path, before_state: dict[str, bytes]) -> list[str]:
 def reset(directory: Path, state: dict[str, bytes]) -> None:
     for path in directory.iterdir():
         if path.is_dir():
-            import shutil
-
             shutil.rmtree(path)
         else:
             path.unlink()
@@ -238,9 +241,11 @@ def test_a_symlink_at_the_lock_is_not_followed(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / LOCK_NAME).symlink_to(victim)
-    with pytest.raises(InputError, match="mpicons did not make this"):
+    with pytest.raises(InputError, match="unknown holder: .* is a symbolic link, not a lock mpicons made.*--break-lock"):
         OutputDir.open(str(out))
     assert victim.read_bytes() == b"precious"
+    OutputDir.open(str(out), break_lock=True).close()  # the link goes, never its target
+    assert victim.read_bytes() == b"precious" and not os.path.lexists(out / LOCK_NAME)
 
 
 def test_a_directory_in_the_way_is_never_replaced(tmp_path):
@@ -263,3 +268,223 @@ def test_directories_made_by_a_failed_run_are_removed(tmp_path):
     session.stage()
     session.close()
     assert not (tmp_path / "a").exists()
+
+
+# ---------------------------------------------------------------- hostile locks
+
+HERE = Holder.me()
+SAME_HOST = {**json.loads(HERE.to_bytes()), "pid": 1 << 30}
+
+
+def _hostile(lock: Path, kind: str) -> None:
+    contents = {
+        "deep array": b"[" * 200_000 + b"]" * 200_000,
+        "pid 2**80": json.dumps({**SAME_HOST, "pid": 2**80}).encode(),
+        "pid as a string": json.dumps({**SAME_HOST, "pid": str(os.getpid())}).encode(),
+        "pid as a boolean": json.dumps({**SAME_HOST, "pid": True}).encode(),
+        "negative pid": json.dumps({**SAME_HOST, "pid": -1}).encode(),
+        "huge number": b'{"pid": ' + b"9" * 100_000 + b"}",
+        "no token": json.dumps({k: v for k, v in SAME_HOST.items() if k != "token"}).encode(),
+        "a line break in the host": json.dumps({**SAME_HOST, "host": "a\nmpicons: error: forged"}).encode(),
+        "not utf-8": b"\xff\xfe{",
+        "empty": b"",
+    }
+    if kind == "fifo":
+        os.mkfifo(lock)
+    elif kind == "directory":
+        lock.mkdir()
+    else:
+        lock.write_bytes(contents[kind])
+
+
+HOSTILE_LOCKS = [
+    "deep array", "pid 2**80", "pid as a string", "pid as a boolean", "negative pid", "huge number", "no token",
+    "a line break in the host", "not utf-8", "empty", "fifo", "directory",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", HOSTILE_LOCKS)
+def test_a_lock_mpicons_cannot_read_is_an_unknown_holder(tmp_path, kind):
+    _hostile(tmp_path / LOCK_NAME, kind)
+    with pytest.raises(InputError) as caught:
+        OutputDir.open(str(tmp_path))
+    message = str(caught.value)
+    assert "held by an unknown holder" in message and "rerun with --break-lock" in message and "\n" not in message
+    assert os.path.lexists(tmp_path / LOCK_NAME)  # left as found
+    session = OutputDir.open(str(tmp_path), break_lock=True)
+    assert "broke the lock" in session.notes[0] and "\n" not in session.notes[0]
+    session.close()
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_a_directory_with_entries_at_the_lock_is_never_removed(tmp_path):
+    (tmp_path / LOCK_NAME).mkdir()
+    (tmp_path / LOCK_NAME / "keep").write_text("mine")
+    with pytest.raises(InputError, match="is a directory that is not empty.*move it out"):
+        OutputDir.open(str(tmp_path), break_lock=True)
+    assert (tmp_path / LOCK_NAME / "keep").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]
+
+
+# ---------------------------------------------------------------- a journal recovery cannot trust
+
+
+def _checksum(journal: dict) -> str:
+    """The journal's checksum as docs/failure-model.md defines it: SHA-256 of the other fields as compact sorted JSON."""
+    body = {k: v for k, v in journal.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _resealed(journal: dict) -> bytes:
+    return json.dumps({**journal, "sha256": _checksum(journal)}).encode()
+
+
+def _damage(raw: bytes, kind: str, out: Path) -> bytes | None:
+    journal = json.loads(raw)
+    notes = os.lstat(out / "notes.txt")
+    first_new = journal["new"][0]
+    damaged = {
+        "empty": b"",
+        "truncated": raw[: len(raw) // 2],
+        "not JSON": b"\x00\x01 this is not a journal",
+        "lists nothing new": _resealed({**journal, "new": []}),
+        "names an unrelated file": json.dumps(
+            {**journal, "new": [{"name": "notes.txt", "device": notes.st_dev, "inode": notes.st_ino}, *journal["new"]]}
+        ).encode(),
+        "names an unrelated file, resealed": _resealed({**journal, "new": [{**first_new, "name": "notes.txt"}]}),
+        "names a path outside staging": _resealed({**journal, "new": [{**first_new, "name": "../notes.txt"}]}),
+        "sets aside a path outside staging": _resealed({**journal, "aside": [{**first_new, "name": "../../victim"}]}),
+        "forgets what it set aside": _resealed({**journal, "aside": []}),
+        "another run's": _resealed({**journal, "token": "0123456789abcdef"}),
+        "deep": b"[" * 200_000 + b"]" * 200_000,
+        "removed": None,
+    }
+    return damaged[kind]
+
+
+JOURNAL_DAMAGE = [
+    "empty", "truncated", "not JSON", "lists nothing new", "names an unrelated file", "names an unrelated file, resealed",
+    "names a path outside staging", "sets aside a path outside staging", "forgets what it set aside", "another run's",
+    "deep", "removed",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "crash_at",
+    ["publish model-00001-of-00002.safetensors", pytest.param("commit model.safetensors.index.json", marks=pytest.mark.slow)],
+)
+@pytest.mark.parametrize("kind", JOURNAL_DAMAGE)
+def test_a_journal_recovery_cannot_trust_deletes_nothing(tmp_path, kind, crash_at):
+    """A crash while publishing, then a damaged journal: exit 2, every set-aside and unrelated file in place,
+    and the message's restore instructions give back the old checkpoint."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "victim").write_bytes(b"precious")
+    for name, data in OLD.items():
+        (out / name).write_bytes(data)
+    old_state = snapshot(out)
+    _crash_at(out, crash_at)
+    [staging] = out.glob(".mpicons-staging-*")
+    kept = staging / ".replaced"
+    set_aside = {p.name: p.read_bytes() for p in kept.iterdir()}
+    assert set_aside == {n: b for n, b in OLD.items() if n != "notes.txt"}  # the whole old checkpoint
+    journal = staging / ".journal.json"
+    damaged = _damage(journal.read_bytes(), kind, out)
+    journal.unlink()
+    if damaged is not None:
+        journal.write_bytes(damaged)
+    (out / LOCK_NAME).unlink()  # the crashed run's (provably stale)
+    before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    with pytest.raises(UntrustedJournal) as caught:
+        OutputDir.open(str(out))
+    message = str(caught.value)
+    assert isinstance(caught.value, InputError) and "\n" not in message
+    assert message.startswith(f"{staging}: ") and "moved and deleted nothing" in message
+    assert f"to restore the old checkpoint, move them back into {out} (mv -f {kept}/* {out}/)" in message
+    assert {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert not (out / LOCK_NAME).exists()  # released
+    for path in kept.iterdir():  # what the message says to do
+        path.replace(out / path.name)
+    shutil.rmtree(staging)
+    restored = snapshot(out)
+    assert {n: b for n, b in restored.items() if n in old_state} == old_state
+    assert {n: b for n, b in restored.items() if n not in old_state}.items() <= NEW.items()  # moved in, unindexed
+    publish_new(out)
+    assert snapshot(out) == expected_after_success(old_state)
+
+
+def test_an_untrusted_journal_with_nothing_set_aside_says_so(tmp_path):
+    _crash_at(tmp_path, "publish model-00001-of-00002.safetensors")
+    [staging] = tmp_path.glob(".mpicons-staging-*")
+    (staging / ".journal.json").write_bytes(b"")
+    with pytest.raises(UntrustedJournal, match=rf"its journal is empty.*It set no files aside: remove {staging} and rerun"):
+        OutputDir.open(str(tmp_path))
+    assert staging.is_dir()
+
+
+def test_the_journal_is_durable_without_sync(tmp_path, monkeypatch):
+    """--no-sync skips the data's fsync, never the journal's: a power cut must not leave a journal to distrust."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    session = OutputDir.open(str(tmp_path))
+    session.stage()
+    for name, data in NEW.items():
+        session.write_staged(name, data, durable=False)
+    staging = session.staging
+    session.publish(list(NEW), [], durable=False, before_commit=lambda: None)
+    session.close()
+    journal = synced.index(f"{staging}/.journal.json.partial")
+    assert synced[journal : journal + 3] == [f"{staging}/.journal.json.partial", staging, str(tmp_path)]
+    assert not any(path.endswith(".safetensors") for path in synced)  # the data's fsync is skipped
+    assert snapshot(tmp_path) == NEW
+
+
+# ---------------------------------------------------------------- a directory of shards is an input
+
+
+@pytest.mark.parametrize("shard", ["shard-00001-model-00001-of-00001.safetensors", ".metadata", "__0_0.distcp"])
+def test_a_directory_of_shards_is_never_an_output(tmp_path, shard):
+    (tmp_path / shard).write_bytes(b"a shard")
+    with pytest.raises(InputError, match=r"holds a sharded checkpoint \(.*\).*arguments look swapped.*INPUT_DIR OUTPUT_DIR"):
+        OutputDir.open(str(tmp_path))
+    assert os.listdir(tmp_path) == [shard]  # not even a lock was made there
+    (tmp_path / "sharded").mkdir()  # torchtitan's layout: the shards one level down
+    (tmp_path / shard).rename(tmp_path / "sharded" / shard)
+    OutputDir.open(str(tmp_path)).close()
+
+
+# ---------------------------------------------------------------- a full disk names the file
+
+
+def _disk_full_at(monkeypatch, name: str) -> None:
+    """Writes to the file called ``name`` fail with ENOSPC, as the system call reports it (naming no file)."""
+    real_write = outdir.write_bytes
+
+    def write(fd: int, data: memoryview) -> int:
+        if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(outdir, "write_bytes", write)
+
+
+@pytest.mark.parametrize("name", ["model.safetensors.index.json", ".journal.json.partial", ".mpicons.lock.", "data"])
+def test_a_full_disk_names_the_file(tmp_path, monkeypatch, before, name):
+    out, state = before
+    if name == ".mpicons.lock.":  # the lock's private name ends with this run's token
+        monkeypatch.setattr(outdir.Holder, "me", classmethod(lambda cls: HERE))
+        name += HERE.token
+    if name == "data":
+        name = next(iter(NEW))
+    _disk_full_at(monkeypatch, name)
+    with pytest.raises(WriteError) as caught:
+        agree(SingleProcess(), lambda: publish_new(out))
+    assert str(caught.value).startswith("[rank 0] ") and str(caught.value).endswith(f"/{name}: No space left on device")
+    assert snapshot(out) == state
+    assert not any(p.name.startswith(".") for p in out.iterdir())

@@ -13,6 +13,7 @@ import random
 import resource
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from helpers import (
+    DISTCP_FIXTURES,
     FIXTURES,
     MPIEXEC,
     assert_consolidated,
@@ -173,6 +175,57 @@ def test_the_parent_of_the_input_may_be_the_output(tmp_path):
     assert digest(tmp_path / "ckpt" / "sharded") == before
     shutil.rmtree(tmp_path / "ckpt" / "sharded")
     expect_edge(tmp_path / "ckpt")
+
+
+@pytest.mark.parametrize(
+    "layout, force",
+    slow_beyond([("safetensors", False), ("distcp", True), ("safetensors", True), ("distcp", False)], 2),
+)
+def test_swapped_arguments_never_write_into_the_shard_directory(tmp_path, layout, force):
+    """``consolidate OUT_HF SHARDS``: a consolidated checkpoint as input, the shard directory as output."""
+    shards = tmp_path / "shards"
+    shutil.copytree(INPUT if layout == "safetensors" else DISTCP_FIXTURES / "fsdp-3ranks" / "dcp", shards)
+    before = digest(shards)
+    _plain_checkpoint(tmp_path / "hf", ["a", "b"])
+    proc, _ = cli(1, "consolidate", tmp_path / "hf", shards, *(["--force"] if force else []))
+    assert proc.returncode == 2, proc.stderr
+    error = one_error(proc)
+    assert f"{shards}: the output directory holds a sharded checkpoint" in error
+    assert "The arguments look swapped" in error and "mpicons consolidate INPUT_DIR OUTPUT_DIR" in error
+    assert digest(shards) == before  # not even a lock was made there
+
+
+def _hostile_lock(lock: Path, kind: str) -> None:
+    same_host = {"host": socket.gethostname(), "job": None, "started": "now", "boot_id": "", "pid_namespace": 0}
+    same_host |= {"process_start": None, "token": "0123456789abcdef"}
+    if kind == "fifo":
+        os.mkfifo(lock)
+        return
+    contents = {
+        "deep array": b"[" * 200_000 + b"]" * 200_000,
+        "pid 2**80": json.dumps({**same_host, "pid": 2**80}).encode(),
+        "pid as a string": json.dumps({**same_host, "pid": "1"}).encode(),
+    }
+    lock.write_bytes(contents[kind])
+
+
+@pytest.mark.parametrize("kind", slow_beyond(["deep array", "pid 2**80", "pid as a string", "fifo"], 1))
+def test_a_hostile_lock_is_an_unknown_holder(tmp_path, kind):
+    out = tmp_path / "out"
+    _plain_checkpoint(out, ["a", "b"])
+    _hostile_lock(out / ".mpicons.lock", kind)
+    proc, _ = cli(1, "consolidate", INPUT, out, "--force", timeout=30)
+    assert proc.returncode == 2, proc.stderr
+    error = one_error(proc)
+    assert "held by an unknown holder" in error and "rerun with --break-lock" in error
+    if kind != "fifo":  # verify's lock report opens the lock file itself
+        proc, _ = cli(1, "verify", out, timeout=30)
+        assert "Traceback" not in proc.stderr and proc.returncode == 1, proc.stderr
+        assert "a consolidation holds this directory (an unknown run)" in proc.stdout
+    else:  # what the message says to do
+        proc, _ = cli(1, "consolidate", INPUT, out, "--force", "--break-lock", "-q", timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        expect_edge(out)
 
 
 # ---------------------------------------------------------------- publishing is one transaction
