@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import time
 from collections.abc import Callable, Sequence
 from importlib import import_module
@@ -160,11 +161,18 @@ def as_communicator(comm: object | None) -> Communicator:
 
         mpi: Any = comm
         return MPIComm(mpi)
-    if module.startswith("torch"):
-        torch_module: Any = import_module(".torch", __package__)
+    if module.startswith("torch") or _torch_non_member(comm):
+        torch_module: Any = import_module(".torch", __package__)  # explains a destroyed group or a non-member
         result: Communicator = torch_module.TorchComm(comm)
         return result
     raise TypeError(f"not a communicator: {comm!r} (an mpi4py intracommunicator, a torch.distributed process group, or None)")
+
+
+def _torch_non_member(comm: object) -> bool:
+    """Whether ``comm`` is what torch.distributed.new_group returns to the ranks it leaves out (an int)."""
+    dist = sys.modules.get("torch.distributed")
+    marker = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", None)
+    return type(comm) is int and marker is not None and comm == marker
 
 
 def wait_all(requests: Sequence[Request]) -> None:

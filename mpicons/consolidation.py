@@ -18,7 +18,7 @@ from .machine import check_buffer_size, host_name
 from .options import DEFAULT_BUFFER_SIZE, FORMATS, Options
 from .outdir import OutputDir
 from .outputs import OutputBackend, open_output
-from .parallel import Comm, agree, agree_on, wait_for_all
+from .parallel import Comm, agree, agree_arguments, agree_on, wait_for_all
 from .plan import HF_MAX_SHARD_SIZE, INDEX_NAME, Layout, Part, Problems, build_layout, parse_mapping
 from .progress import Progress
 from .replicas import check_replicas
@@ -173,6 +173,7 @@ def consolidate(
     comm = as_communicator(comm)
     options = (options or Options()).with_changes(**changes)
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
+    agree_arguments(comm, "consolidate", input=os.path.abspath(input_dir), output=os.path.abspath(output_dir), options=options)
     check_options(comm, options)
     owner = options.gather_to if options.gather_to is not None else 0
     clock = PhaseClock()

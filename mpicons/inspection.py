@@ -22,7 +22,7 @@ from .comm import as_communicator
 from .consolidation import layout_of, load_mapping, scan_inputs
 from .errors import InputError
 from .options import Options
-from .parallel import agree, agree_on
+from .parallel import agree, agree_arguments, agree_on
 from .plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, natural_key
 from .reports import Problem, human_bytes, skipped_entries
 from .reports import count_of as _count
@@ -219,6 +219,7 @@ def inspect(
     comm = as_communicator(comm)
     options = (options or Options()).with_changes(**changes)
     input_dir = os.fspath(input_dir)
+    agree_arguments(comm, "inspect", input=os.path.abspath(input_dir), options=options, ranks=ranks)
     ranks = comm.size if ranks is None else ranks
     if type(ranks) is not int or ranks < 1:
         raise InputError(f"ranks must be a positive integer (got {ranks!r})")

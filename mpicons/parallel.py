@@ -3,29 +3,61 @@
 An exception on one rank before a collective would leave the others blocked in it. Every
 phase therefore runs through :func:`agree`: the outcome (value or error) of each rank is
 exchanged in the phase's own collective and, if any rank failed, every rank raises the
-first failure, naming the rank it happened on.
+first failure, naming the rank it happened on. A ``KeyboardInterrupt`` inside a phase is an
+outcome too: every rank raises :class:`~mpicons.errors.Interrupted`, and the interrupted rank's
+is also a ``KeyboardInterrupt`` (:class:`KeyboardInterrupted`), so a Python caller's Ctrl-C
+handling still sees it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import os
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .comm import Communicator, sleeping_wait
-from .errors import InputError, MpiconsError, WriteError
+from .errors import InputError, Interrupted, MpiconsError, WriteError
 from .interrupts import deferred, raise_pending, raising_inside
 
 Comm = Communicator
 T = TypeVar("T")
+Error = tuple[str, str]
 
-_KINDS: dict[str, type[MpiconsError]] = {"input": InputError, "write": WriteError, "error": MpiconsError}
+_KINDS: dict[str, type[MpiconsError]] = {
+    "input": InputError,
+    "write": WriteError,
+    "error": MpiconsError,
+    "interrupt": Interrupted,
+}
 
 
-def _outcome(fn: Callable[[], T]) -> tuple[tuple[str, str] | None, T | None]:
+class KeyboardInterrupted(Interrupted, KeyboardInterrupt):
+    """What the rank that caught a ``KeyboardInterrupt`` raises once every rank agreed on it: an
+    :class:`~mpicons.errors.Interrupted` like the other ranks', and still a ``KeyboardInterrupt`` for
+    code that handles Ctrl-C (uncaught, Python exits as it does after Ctrl-C)."""
+
+
+class _Held:
+    """A ``KeyboardInterrupt`` caught where only another rank's outcome was exchanged (the non-root ranks
+    of :func:`agree_on`), raised again at the start of this rank's next phase, where it is agreed."""
+
+    interrupt = False
+
+
+def _raise_held() -> None:
+    if _Held.interrupt:
+        _Held.interrupt = False
+        raise KeyboardInterrupt
+
+
+def _outcome(fn: Callable[[], T]) -> tuple[Error | None, T | None]:
     try:
         with raising_inside():
             raise_pending()
+            _raise_held()
             value = fn()
         raise_pending()
         return None, value
@@ -38,15 +70,23 @@ def _outcome(fn: Callable[[], T]) -> tuple[tuple[str, str] | None, T | None]:
         return ("write", f"{where}{exc.strerror or exc}"), None
     except MemoryError:
         return ("write", "out of memory (try a smaller --buffer-size, or fewer ranks per node)"), None
-    except Exception as exc:  # noqa: BLE001 - reported on every rank, with its traceback
+    except KeyboardInterrupt:
+        return ("interrupt", "interrupted (KeyboardInterrupt)"), None
+    except BaseException as exc:  # noqa: BLE001 - a bug or a SystemExit inside a phase: reported on every rank
         return ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None
 
 
-def _raise_first(errors: list[tuple[str, str] | None]) -> None:
-    for rank, error in enumerate(errors):
-        if error is not None:
-            kind, message = error
-            raise _KINDS[kind](f"[rank {rank}] {message}")
+def _raise_agreed(errors: Sequence[Error | None], mine: Error | None) -> None:
+    """Raise the agreed failure: an interruption before any other error (the user asked to stop),
+    else the first failure in rank order; the interrupted rank's is also a ``KeyboardInterrupt``."""
+    failed = [(rank, error) for rank, error in enumerate(errors) if error is not None]
+    if not failed:
+        return
+    interrupted = [(rank, error) for rank, error in failed if error[0] == "interrupt"]
+    rank, (kind, message) = (interrupted or failed)[0]
+    if kind == "interrupt" and mine is not None and mine[0] == "interrupt":
+        raise KeyboardInterrupted(f"[rank {rank}] {message}")
+    raise _KINDS[kind](f"[rank {rank}] {message}")
 
 
 def agree(comm: Comm, fn: Callable[[], T], *, gather: bool = False, root: int | None = None) -> Any:
@@ -54,22 +94,23 @@ def agree(comm: Comm, fn: Callable[[], T], *, gather: bool = False, root: int | 
 
     - default: every rank runs ``fn``; returns this rank's value.
     - ``gather=True``: returns the list of every rank's value (one allgather).
-    - ``root=r``: only rank ``r``'s value counts and is broadcast (one bcast); other
-      ranks still call ``fn`` so it should return None cheaply there.
+    - ``root=r``: only rank ``r``'s outcome counts and is broadcast (one bcast); other
+      ranks still call ``fn`` so it should return None cheaply there (a signal or an
+      interrupt caught there is raised, and agreed, in the rank's next phase).
     """
-    outcome = _outcome(fn)
+    error, value = _outcome(fn)
     if root is not None:
-        error, value = comm.bcast(outcome if comm.rank == root else (None, None), root=root)
-        errors: list[tuple[str, str] | None] = [None] * root
-        errors.append(error)
-        _raise_first(errors)
+        if comm.rank != root and error is not None and error[0] == "interrupt":
+            _Held.interrupt = True  # only root's outcome is exchanged here: agreed in the next phase
+        root_error, value = comm.bcast((error, value) if comm.rank == root else (None, None), root=root)
+        errors: list[Error | None] = [None] * root
+        _raise_agreed([*errors, root_error], error if comm.rank == root else None)
         return value
-    error, value = outcome
     if gather:
         outcomes = comm.allgather((error, value))
-        _raise_first([e for e, _ in outcomes])
+        _raise_agreed([e for e, _ in outcomes], error)
         return [v for _, v in outcomes]
-    _raise_first(comm.allgather(error))
+    _raise_agreed(comm.allgather(error), error)
     return value
 
 
@@ -94,3 +135,40 @@ def wait_for_all(comm: Comm, poll: float = 0.002) -> None:
 def any_rank(comm: Comm, flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any."""
     return bool(comm.allreduce(int(flag), "max"))
+
+
+def _normalized(value: object) -> object:
+    """A comparable form of an argument: paths as strings, options field by field, mappings sorted."""
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _normalized(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return sorted((repr(_normalized(k)), _normalized(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return [_normalized(item) for item in value]
+    return value
+
+
+def _fingerprint(value: object) -> tuple[str, str]:
+    """(digest, what a message shows) of one argument."""
+    text = repr(_normalized(value))
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(), shown
+
+
+def agree_arguments(comm: Comm, call: str, **arguments: object) -> None:
+    """Refuse, on every rank alike and before any work, a collective call whose ranks passed different
+    arguments (a different output directory on one rank would otherwise be silently ignored).
+
+    Each rank sends a digest of every argument (paths as the caller made them absolute); the first
+    argument that differs from rank 0's is named with both values.
+    """
+    prints = agree(comm, lambda: {name: _fingerprint(value) for name, value in arguments.items()}, gather=True)
+    for rank, theirs in enumerate(prints):
+        for name, (digest, shown) in theirs.items():
+            if digest != prints[0][name][0]:
+                raise InputError(
+                    f"[rank {rank}] {call}: argument {name} differs between ranks: {shown} on rank {rank}, "
+                    f"{prints[0][name][1]} on rank 0; every rank of the communicator must call {call} with the same arguments"
+                )

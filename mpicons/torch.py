@@ -17,7 +17,8 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import numpy as np
@@ -25,13 +26,21 @@ import torch
 import torch.distributed as dist
 
 from .comm import SingleProcess, tree_allreduce
-from .errors import InputError
+from .errors import InputError, WriteError
 
 T = TypeVar("T")
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 _PYTHON_OPS: dict[str, Callable[[Any], Any]] = {"sum": sum, "min": min, "max": max}
+#: Every rank's tensor concatenated (torch 2.13 renamed all_gather_into_tensor).
+_gather_single: Callable[..., Any] = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 #: Tags of duplicated communicators are offset by this much (they share the process group).
 _TAG_SPAN = 1 << 16
+#: The tag of :meth:`TorchComm.alltoallv`'s messages, at the top of each communicator's range.
+_ALLTOALL_TAG = _TAG_SPAN - 1
+#: What gloo says when the other end of a connection has gone (the process died or was killed).
+_LOST_CONTACT = ("Connection closed", "Connection reset", "Connection refused", "Broken pipe", "Read error", "Write error")
+#: Groups that lost a member: the message every later call on them raises at once (gloo would wait or fail again).
+_BROKEN: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 #: The gloo group made for each group that cannot move CPU tensors; held no longer than that group
 #: (a group object outliving destroy_process_group until the interpreter's shutdown can abort the process).
 _CPU_GROUPS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -50,18 +59,37 @@ def _cpu_group(group: Any) -> Any:
     return partner
 
 
+def _lost_contact(group: Any, rank: int, peer: int | None, exc: BaseException) -> BaseException:
+    """mpicons' error for gloo's report of a member gone (``exc`` itself for anything else); the group
+    is marked broken so that every later call on it fails at once instead of waiting."""
+    if not isinstance(exc, RuntimeError) or not any(words in str(exc) for words in _LOST_CONTACT):
+        return exc
+    detail = str(exc).split("] ", 1)[-1].split(". This is typically", 1)[0]
+    who = f"group member {peer}" if peer is not None else "a member of the process group"
+    message = (
+        f"[rank {rank}] lost contact with {who} (it died or was killed; gloo: {detail}): nothing was published; "
+        "look at that member's log for why it ended, then rerun the job"
+    )
+    _BROKEN.setdefault(group, message)
+    return WriteError(_BROKEN[group])
+
+
 class _Work:
     """A torch.distributed async work handle as a :class:`~mpicons.comm.Request`.
 
     gloo's point-to-point work never reports completion until someone waits on it, so the first
     ``test()`` that finds it unfinished hands the wait to a thread and watches that thread instead.
+    A member lost meanwhile is reported through ``lost`` (see :func:`_lost_contact`).
     """
 
-    __slots__ = ("work", "keep", "polls", "_waiter", "_error")
+    __slots__ = ("work", "keep", "polls", "lost", "_waiter", "_error")
 
-    def __init__(self, work: Any, keep: object = None, polls: bool = False) -> None:
+    def __init__(
+        self, work: Any, lost: Callable[[BaseException], BaseException], keep: object = None, polls: bool = False
+    ) -> None:
         self.work, self.keep = work, keep  # ``keep``: the tensor must live until the work is done
         self.polls = polls  # whether ``is_completed`` tells the truth (collectives) or not (p2p)
+        self.lost = lost
         self._waiter: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -71,18 +99,30 @@ class _Work:
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits or tests next
             self._error = exc
 
+    def _raise(self, exc: BaseException) -> None:
+        translated = self.lost(exc)
+        if translated is exc:
+            raise exc
+        raise translated from None
+
     def wait(self) -> None:
         if self._waiter is None:
-            self.work.wait()
+            try:
+                self.work.wait()
+            except RuntimeError as exc:
+                self._raise(exc)
             return
         self._waiter.join()
         if self._error is not None:
-            raise self._error
+            self._raise(self._error)
 
     def test(self) -> bool:
         if self._waiter is None:
-            if self.work.is_completed():
-                return True
+            try:
+                if self.work.is_completed():
+                    return True
+            except RuntimeError as exc:
+                self._raise(exc)
             if self.polls:
                 return False
             self._waiter = threading.Thread(target=self._wait_in_thread, name="mpicons-torch-wait", daemon=True)
@@ -90,13 +130,36 @@ class _Work:
         if self._waiter.is_alive():
             return False
         if self._error is not None:
-            raise self._error
+            self._raise(self._error)
         return True
 
 
 def _tensor(array: np.ndarray) -> torch.Tensor:
     """A tensor on ``array``'s memory (a copy when it is read-only or not contiguous: only sends get those)."""
     return torch.from_numpy(np.require(array, requirements=["C", "W"]))
+
+
+def _usable_group(group: Any) -> Any:
+    """``group`` if this process can talk through it; an :class:`InputError` saying why not otherwise."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise InputError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise InputError(
+            "this process is not a member of the process group it passed (torch.distributed.new_group returns "
+            "GroupMember.NON_GROUP_MEMBER to the ranks it leaves out): call mpicons only on the group's members"
+        )
+    if not isinstance(group, dist.ProcessGroup):
+        raise InputError(f"not a torch.distributed process group: {group!r}")
+    try:
+        dist.get_process_group_ranks(group)
+    except (ValueError, KeyError, RuntimeError):
+        raise InputError(
+            "the process group passed as comm was destroyed (torch.distributed.destroy_process_group) or never "
+            "registered: pass a live group, made with init_process_group or new_group"
+        ) from None
+    return group
 
 
 class TorchComm:
@@ -107,17 +170,18 @@ class TorchComm:
             the same arguments; other ranks of the job are untouched.
         cpu_group: a gloo group over the same ranks to use for the collectives (default: ``group``
             itself if it moves CPU tensors, else one made once).
+
+    A member that dies ends the others' calls with a :class:`~mpicons.errors.WriteError` naming it
+    where it can be known (point-to-point), not with gloo's connection error or a timeout.
     """
 
     def __init__(self, group: Any = None, cpu_group: Any = None, _tag: int = 0) -> None:
-        if not dist.is_available() or not dist.is_initialized():
-            raise InputError("torch.distributed is not initialized: call torch.distributed.init_process_group first")
-        group = dist.group.WORLD if group is None else group
-        self.group = cpu_group if cpu_group is not None else _cpu_group(group)
+        group = _usable_group(group)
+        self.group = _usable_group(cpu_group) if cpu_group is not None else _cpu_group(group)
         self._rank = dist.get_rank(self.group)
         self._size = dist.get_world_size(self.group)
         if self._rank < 0:
-            raise InputError("this process is not a member of the process group it was given")
+            raise InputError("this process is not a member of the process group it passed: call mpicons only on its members")
         self._tag = _tag
 
     @property
@@ -128,14 +192,34 @@ class TorchComm:
     def size(self) -> int:
         return self._size
 
+    def _lost(self, peer: int | None = None) -> Callable[[BaseException], BaseException]:
+        group, rank = self.group, self._rank  # not ``self``: a request must not keep the communicator alive
+        return lambda exc: _lost_contact(group, rank, peer, exc)
+
+    @contextmanager
+    def _talking(self, peer: int | None = None) -> Iterator[None]:
+        """Around every call into gloo: a group already broken fails at once; a member lost now is named."""
+        broken = _BROKEN.get(self.group)
+        if broken is not None:
+            raise WriteError(broken)
+        try:
+            yield
+        except RuntimeError as exc:
+            translated = _lost_contact(self.group, self._rank, peer, exc)
+            if translated is exc:
+                raise
+            raise translated from None
+
     def allgather(self, obj: T) -> list[T]:
         out: list[Any] = [None] * self._size
-        dist.all_gather_object(out, obj, group=self.group)
+        with self._talking():
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def bcast(self, obj: T, root: int) -> T:
         box = [obj]
-        dist.broadcast_object_list(box, group=self.group, group_src=root)
+        with self._talking():
+            dist.broadcast_object_list(box, group=self.group, group_src=root)
         return box[0]
 
     def allreduce(self, value: Any, op: str) -> Any:
@@ -148,7 +232,8 @@ class TorchComm:
             array[...] = widened.astype(bool)
             return
         tensor = torch.from_numpy(np.ascontiguousarray(array))
-        dist.all_reduce(tensor, op=_OPS[op], group=self.group)
+        with self._talking():
+            dist.all_reduce(tensor, op=_OPS[op], group=self.group)
         if not np.shares_memory(tensor.numpy(), array):
             array[...] = tensor.numpy()
 
@@ -156,29 +241,45 @@ class TorchComm:
         return tree_allreduce(self, obj, combine)
 
     def alltoallv(self, send: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        send_counts = torch.from_numpy(np.asarray(counts, dtype=np.int64).copy())
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        recv = np.empty(int(recv_counts.sum()), dtype=np.uint8)
-        dist.all_to_all_single(
-            torch.from_numpy(recv),
-            _tensor(send.view(np.uint8)),
-            output_split_sizes=recv_counts.tolist(),
-            input_split_sizes=send_counts.tolist(),
-            group=self.group,
-        )
+        """Point-to-point sends and receives rather than gloo's ``all_to_all_single``: a process that made
+        that call can abort at exit ("terminate called without an active exception") in gloo's teardown."""
+        send_counts = np.asarray(counts, dtype=np.int64)
+        matrix = torch.empty(self._size * self._size, dtype=torch.int64)  # row r: what rank r sends to each
+        with self._talking():
+            _gather_single(matrix, torch.from_numpy(send_counts.copy()), group=self.group)
+        recv_counts = matrix.numpy().reshape(self._size, self._size)[:, self._rank]
+        send_offsets = np.concatenate([[0], np.cumsum(send_counts)])
+        recv_offsets = np.concatenate([[0], np.cumsum(recv_counts)])
+        payload = send.view(np.uint8)
+        recv = np.empty(int(recv_offsets[-1]), dtype=np.uint8)
+        me = self._rank
+        recv[recv_offsets[me] : recv_offsets[me + 1]] = payload[send_offsets[me] : send_offsets[me + 1]]
+        requests = []
+        for peer in range(self._size):
+            if peer != me and recv_counts[peer]:
+                requests.append(self.irecv(recv[recv_offsets[peer] : recv_offsets[peer + 1]], peer, _ALLTOALL_TAG))
+            if peer != me and send_counts[peer]:
+                requests.append(self.isend(payload[send_offsets[peer] : send_offsets[peer + 1]], peer, _ALLTOALL_TAG))
+        for request in requests:
+            request.wait()
         return recv
 
     def isend(self, array: np.ndarray, dest: int, tag: int) -> _Work:
         tensor = _tensor(array)
-        return _Work(dist.isend(tensor, group=self.group, group_dst=dest, tag=self._tag + tag), tensor)
+        with self._talking(dest):
+            work = dist.isend(tensor, group=self.group, group_dst=dest, tag=self._tag + tag)
+        return _Work(work, self._lost(dest), tensor)
 
     def irecv(self, array: np.ndarray, source: int, tag: int) -> _Work:
         tensor = _tensor(array)
-        return _Work(dist.irecv(tensor, group=self.group, group_src=source, tag=self._tag + tag), tensor)
+        with self._talking(source):
+            work = dist.irecv(tensor, group=self.group, group_src=source, tag=self._tag + tag)
+        return _Work(work, self._lost(source), tensor)
 
     def ibarrier(self) -> _Work:
-        return _Work(dist.barrier(group=self.group, async_op=True), polls=True)
+        with self._talking():
+            work = dist.barrier(group=self.group, async_op=True)
+        return _Work(work, self._lost(), polls=True)
 
     def duplicate(self) -> TorchComm:
         """The same group with its own range of message tags (collectives stay in program order)."""

@@ -35,7 +35,7 @@ from .format import DTYPE_BY_NAME, MAX_HEADER_SIZE, Header, nbytes_of, parse_hea
 from .hdf5 import HDF5_NAME, dataset_path, storage_dtype
 from .interrupts import deferred
 from .outdir import LOCK_NAME, STAGING_PREFIX, Holder, plain_file_name
-from .parallel import Comm, agree, agree_on
+from .parallel import Comm, agree, agree_arguments, agree_on
 from .plan import INDEX_NAME, OUTPUT_METADATA, SINGLE_FILE_NAME, Layout, Part, build_layout
 from .reports import Problem, human_bytes
 from .reports import count_of as _count
@@ -868,6 +868,11 @@ def verify(
     comm = as_communicator(comm)
     output_dir = os.fspath(output_dir)
     against = None if against is None else os.fspath(against)
+    agree_arguments(
+        comm, "verify", output=os.path.abspath(output_dir), against=against and os.path.abspath(against),
+        buffer_size=buffer_size, dtype=dtype, include=include, exclude=exclude, strip_prefix=strip_prefix,
+        follow_links=follow_links,
+    )  # fmt: skip
     check_buffer_fits(comm, buffer_size)
     listing: _Listing = agree_on(comm, 0, lambda: _list_output(output_dir, follow_links))
     if listing.sharded:

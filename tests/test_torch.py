@@ -17,16 +17,25 @@ import sys
 import tempfile
 import weakref
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
-from helpers import DISTCP_FIXTURES, FIXTURES, assert_consolidated, fixture_expected, index_weight_map, load_tensors
+from helpers import (
+    DISTCP_FIXTURES,
+    FIXTURES,
+    assert_consolidated,
+    fixture_expected,
+    index_weight_map,
+    load_tensors,
+    subprocess_env,
+)
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import mpicons  # noqa: E402
-from mpicons.errors import InputError  # noqa: E402
+from mpicons.errors import InputError, Interrupted  # noqa: E402
 from mpicons.torch import TorchComm, consolidate_safetensors_files_on_every_rank  # noqa: E402
 
 pytestmark = pytest.mark.torch_dist
@@ -247,6 +256,164 @@ def test_nothing_keeps_the_group_alive_after_the_call(group: object, shared_tmp:
         agreed(lambda: None if alive() is None else pytest.fail("the communicator outlived the call"))
     finally:
         gc.enable()
+
+
+def test_members_passing_different_arguments_all_raise_before_any_work(group: object, shared_tmp: Path) -> None:
+    """Each member its own output directory: one InputError on every member naming the argument, nothing created."""
+    size = dist.get_world_size()
+    mine = shared_tmp / f"out-{dist.get_rank()}"
+
+    def raises() -> None:
+        if size == 1:
+            mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", mine, comm=group)
+            return
+        with pytest.raises(InputError, match=r"\[rank 1\] consolidate: argument output differs between ranks"):
+            mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", mine, comm=group)
+        with pytest.raises(InputError, match=r"\[rank 1\] inspect: argument options differs"):
+            mpicons.inspect(FIXTURES / "edge-3ranks" / "sharded", comm=group, buffer_size=(1 + dist.get_rank()) << 20)
+
+    agreed(raises)
+    created = [p.name for p in shared_tmp.iterdir()]
+    agreed(lambda: None if size == 1 or not created else pytest.fail(f"created {created}"))
+
+
+def test_a_destroyed_group_is_an_input_error(group: object, shared_tmp: Path) -> None:
+    doomed = dist.new_group(list(range(dist.get_world_size())), backend="gloo")
+    dist.destroy_process_group(doomed)
+
+    def raises() -> None:
+        with pytest.raises(InputError, match="was destroyed"):
+            mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", shared_tmp / "out", comm=doomed)
+
+    agreed(raises)
+
+
+def test_a_process_outside_the_group_is_an_input_error(group: object, shared_tmp: Path) -> None:
+    """new_group gives the ranks it leaves out a marker, not a group: they are told so, the member consolidates."""
+    first = dist.new_group([0], backend="gloo")
+
+    def outside() -> None:
+        if dist.get_rank() == 0:
+            mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", shared_tmp / "out", comm=first)
+            return
+        for call in (lambda: mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", shared_tmp / "x", comm=first),
+                     lambda: TorchComm(first)):  # fmt: skip
+            with pytest.raises(InputError, match="not a member of the process group"):
+                call()
+
+    agreed(outside)
+
+
+def test_a_keyboard_interrupt_on_one_member_ends_every_member(
+    group: object, shared_tmp: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C caught by the last member while it plans: every member raises Interrupted naming it (no timeout,
+    here 30 s), and the interrupted member's is a KeyboardInterrupt too."""
+    size = dist.get_world_size()
+    victim = size - 1
+    quick = dist.new_group(list(range(size)), backend="gloo", timeout=timedelta(seconds=30))
+    if dist.get_rank() == victim:
+
+        def interrupted(*args: object, **kwargs: object) -> None:
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(mpicons.consolidation, "layout_of", interrupted)
+    caught: list[BaseException] = []
+    try:
+        mpicons.consolidate(FIXTURES / "tp2d-4ranks" / "sharded", shared_tmp / "out", comm=quick)
+    except BaseException as exc:  # noqa: BLE001 - checked below, on every member
+        caught.append(exc)
+    monkeypatch.undo()
+
+    def every_member_interrupted() -> None:
+        assert caught, "consolidate returned"
+        assert isinstance(caught[0], Interrupted), repr(caught[0])
+        assert str(caught[0]).startswith(f"[rank {victim}] interrupted"), str(caught[0])
+        assert isinstance(caught[0], KeyboardInterrupt) == (dist.get_rank() == victim)
+        assert not (shared_tmp / "out").exists() or not any((shared_tmp / "out").iterdir())
+
+    agreed(every_member_interrupted)
+
+
+def _without_torchrun(env: dict[str, str]) -> dict[str, str]:
+    """This job's environment minus what torchrun set for it (a nested job gets its own)."""
+    ours = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in env.items() if k not in ours and not k.startswith(("TORCHELASTIC", "ROLE_", "GROUP_"))}
+
+
+_KILLED_MEMBER = """
+import os, signal, sys
+import torch.distributed as dist
+import mpicons, mpicons.consolidation
+dist.init_process_group("gloo")
+if dist.get_rank() == 2:
+    mpicons.consolidation.layout_of = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+try:
+    mpicons.consolidate(sys.argv[1], sys.argv[2], comm=dist.group.WORLD)
+except Exception as exc:
+    print(f"{type(exc).__name__}: {exc}", flush=True)
+    os._exit(0)
+os._exit(1)
+"""
+
+
+def test_a_killed_member_is_reported_by_the_survivors(group: object, shared_tmp: Path) -> None:
+    """Three processes of their own (no torchrun agent to stop the rest): the last one is killed while it plans;
+    the two survivors end promptly with mpicons' WriteError saying a member was lost."""
+    import socket
+
+    def survivors_report() -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        base = {**_without_torchrun(subprocess_env()), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "3"}
+        args = [sys.executable, "-c", _KILLED_MEMBER, str(FIXTURES / "tp2d-4ranks" / "sharded"), str(shared_tmp / "out")]
+        procs = [
+            subprocess.Popen(args, env={**base, "RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(3)
+        ]
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+        assert procs[2].returncode == -9, outputs[2]
+        for rank in (0, 1):
+            out, err = outputs[rank]
+            assert procs[rank].returncode == 0, f"rank {rank}: {out}{err}"
+            assert out.startswith(f"WriteError: [rank {rank}] lost contact with "), out
+            assert "died or was killed" in out and "rerun" in out, out
+
+    agreed(on_rank_0(survivors_report))
+
+
+_CLEAN_EXIT = """
+import sys
+import torch.distributed as dist
+import mpicons
+dist.init_process_group("gloo")
+mpicons.consolidate(sys.argv[1], sys.argv[2] + f"-{sys.argv[3]}", comm=dist.group.WORLD, sync=False)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_three_member_jobs_exit_cleanly_every_time(group: object, shared_tmp: Path) -> None:
+    """A process that exits with a gloo group still alive can abort in gloo's teardown (SIGABRT, "terminate
+    called without an active exception"), whatever the collectives; after destroy_process_group mpicons leaves
+    nothing behind that does: twenty 3-process torchrun jobs, pieces exchanged between members, all exit 0."""
+
+    def clean() -> None:
+        script = shared_tmp / "job.py"
+        script.write_text(_CLEAN_EXIT)
+        failures = []
+        for run in range(20):
+            proc = subprocess.run(
+                [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "3", str(script),
+                 str(FIXTURES / "tp2d-4ranks" / "sharded"), str(shared_tmp / "out"), str(run)],
+                capture_output=True, text=True, timeout=300, env=_without_torchrun(subprocess_env(OMP_NUM_THREADS="1")),
+            )  # fmt: skip
+            if proc.returncode != 0 or "terminate called" in proc.stderr:
+                failures.append(f"run {run}: exit {proc.returncode}\n{proc.stderr[-2000:]}")
+        assert not failures, "\n".join(failures)
+
+    agreed(on_rank_0(clean))
 
 
 def test_the_environment_is_torchrun() -> None:
