@@ -766,11 +766,7 @@ def _describe_names(names: Sequence[str], show: int = 3) -> str:
 def refuse_sharded(path: str) -> None:
     """Refuse an output directory that directly holds a sharded checkpoint: those are some run's input
     (mostly the two arguments swapped), and a checkpoint published among them would spoil both."""
-    try:
-        names = sorted(os.listdir(path))
-    except OSError as exc:
-        raise InputError(f"{path}: cannot list the output directory ({exc.strerror})") from None
-    shards = [name for name in names if SHARD_FILE.match(name)]
+    shards = sorted(name for name in os.listdir(path) if SHARD_FILE.match(name))
     if shards:
         raise InputError(
             f"{path}: the output directory holds a sharded checkpoint ({_describe_names(shards)}), and mpicons "
@@ -843,8 +839,8 @@ class OutputDir:
         """Create this run's private staging directory (named with its lock's token); every new file is
         created inside it."""
         staging = os.path.join(self.path, STAGING_PREFIX + self.lock.holder.token)
-        os.mkdir(staging, 0o700)
-        os.chmod(staging, 0o755)
+        os.mkdir(staging, 0o755)
+        os.chmod(staging, 0o755)  # whatever the umask: every rank opens the files staged here
         self.staging = staging
         return staging
 

@@ -358,6 +358,7 @@ def _damage(raw: bytes, kind: str, out: Path) -> bytes | None:
         "another run's": _resealed({**journal, "token": "0123456789abcdef"}),
         "deep": b"[" * 200_000 + b"]" * 200_000,
         "removed": None,
+        "a FIFO": None,
     }
     return damaged[kind]
 
@@ -365,7 +366,7 @@ def _damage(raw: bytes, kind: str, out: Path) -> bytes | None:
 JOURNAL_DAMAGE = [
     "empty", "truncated", "not JSON", "lists nothing new", "names an unrelated file", "names an unrelated file, resealed",
     "names a path outside staging", "sets aside a path outside staging", "forgets what it set aside", "another run's",
-    "deep", "removed",
+    "deep", "removed", "a FIFO",
 ]  # fmt: skip
 
 
@@ -393,6 +394,8 @@ def test_a_journal_recovery_cannot_trust_deletes_nothing(tmp_path, kind, crash_a
     journal.unlink()
     if damaged is not None:
         journal.write_bytes(damaged)
+    if kind == "a FIFO":
+        os.mkfifo(journal)
     (out / LOCK_NAME).unlink()  # the crashed run's (provably stale)
     before = {p.relative_to(tmp_path): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     with pytest.raises(UntrustedJournal) as caught:
@@ -411,6 +414,19 @@ def test_a_journal_recovery_cannot_trust_deletes_nothing(tmp_path, kind, crash_a
     assert {n: b for n, b in restored.items() if n not in old_state}.items() <= NEW.items()  # moved in, unindexed
     publish_new(out)
     assert snapshot(out) == expected_after_success(old_state)
+
+
+def test_a_crash_while_removing_the_staging_directory_is_finished(tmp_path):
+    """The set-aside files go first and the journal last: what is left is still a journal recovery trusts."""
+    for name, data in OLD.items():
+        (tmp_path / name).write_bytes(data)
+    old_state = snapshot(tmp_path)
+    _crash_at(tmp_path, "discard")
+    [staging] = tmp_path.glob(".mpicons-staging-*")
+    shutil.rmtree(staging / ".replaced")  # as far as removing it had come
+    notes = recover(str(tmp_path))
+    assert "finished publishing" in notes[0] and snapshot(tmp_path) == expected_after_success(old_state)
+    assert not staging.exists()
 
 
 def test_an_untrusted_journal_with_nothing_set_aside_says_so(tmp_path):
