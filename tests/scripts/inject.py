@@ -5,7 +5,8 @@ FAULT: ``write-oserror`` (an I/O error while writing), ``bug-after-write`` (an u
 outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write), ``signal-progress-start`` / ``-finish`` (the
 rank gets SIGTERM as the progress reporter starts / finishes, inside the message pattern every
 rank must complete), ``slow-write`` (every
-rank writes slowly), ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``read-error`` (every
+rank writes slowly), ``hold-write`` (every rank waits at its first block until the file named by
+``MPICONS_TEST_RELEASE`` exists, so a test can act while a run is certainly mid-write), ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``read-error`` (every
 shard read fails), ``kill-write`` (the rank SIGKILLs itself mid-write), ``publish-STEP-HOW``
 (at the publishing step whose label starts with STEP: ``error`` raises an I/O error, ``kill``
 SIGKILLs the process, ``term`` sends it SIGTERM).
@@ -51,6 +52,19 @@ elif fault == "slow-write":  # every rank: slow writes, so a signal can arrive m
         return original_slow(self, size)
 
     mpicons.writer.Writer._next_slot = slow_slot
+elif fault == "hold-write":  # every rank: hold the first block until the test creates the release file
+    original_held = mpicons.writer.Writer._next_slot
+    release = os.environ["MPICONS_TEST_RELEASE"]
+    held = []
+
+    def held_slot(self, size):
+        if not held:
+            held.append(size)
+            while not os.path.exists(release):
+                time.sleep(0.02)
+        return original_held(self, size)
+
+    mpicons.writer.Writer._next_slot = held_slot
 elif rank == victim:
     if fault == "write-oserror":
 
