@@ -2,14 +2,15 @@
 
 Usage: inject.py FAULT RANK -- mpicons arguments...
 FAULT: ``write-oserror`` (an I/O error while writing), ``bug-after-write`` (an unexpected exception
-outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write), ``signal-progress-start`` / ``-finish`` (the
-rank gets SIGTERM as the progress reporter starts / finishes, inside the message pattern every
-rank must complete), ``slow-write`` (every
-rank writes slowly), ``hold-write`` (every rank waits at its first block until the file named by
-``MPICONS_TEST_RELEASE`` exists, so a test can act while a run is certainly mid-write), ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``read-error`` (every
-shard read fails), ``kill-write`` (the rank SIGKILLs itself mid-write), ``publish-STEP-HOW``
-(at the publishing step whose label starts with STEP: ``error`` raises an I/O error, ``kill``
-SIGKILLs the process, ``term`` sends it SIGTERM).
+outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write),
+``signal-progress-start`` / ``-finish`` (the rank gets SIGTERM as the progress reporter starts /
+finishes, inside the message pattern every rank must complete), ``slow-write`` (every rank writes
+slowly), ``hold-write`` (every rank waits at its first block until the file named by
+``MPICONS_TEST_RELEASE`` exists, so a test can act while a run is certainly mid-write),
+``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``read-error`` (every shard read fails),
+``kill-write`` (the rank SIGKILLs itself mid-write), ``publish-STEP-HOW`` (at the publishing step
+whose label starts with STEP: ``error`` raises an I/O error, ``kill`` SIGKILLs the process,
+``term`` sends it SIGTERM).
 
 The command line runs through ``mpicons.cli.run`` exactly as the console script does; the rank is
 taken from the launcher's environment, so MPI starts where it always does.
