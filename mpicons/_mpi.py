@@ -1,12 +1,30 @@
-"""The communicator interface over an mpi4py intracommunicator (importing this module starts MPI)."""
+"""The communicator interface over an mpi4py intracommunicator (importing this module starts MPI).
+
+MPI starts at the import of ``mpi4py.MPI`` (``mpi4py.rc.initialize``; if a caller turned that off,
+here) with room left for it under an address-space limit, and with termination signals ending the
+process at once: a rank waiting in MPI_Init for a peer must not ignore the job's end.
+"""
 
 from __future__ import annotations
 
+import atexit
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import numpy as np
-from mpi4py import MPI
+
+from .interrupts import ending_at_once
+from .machine import MPI_START_ROOM, check_room_to_start
+
+if "mpi4py.MPI" not in sys.modules:
+    check_room_to_start("MPI", MPI_START_ROOM)
+with ending_at_once():
+    from mpi4py import MPI
+
+    if not MPI.Is_initialized():
+        MPI.Init_thread()
+        atexit.register(lambda: None if MPI.Is_finalized() else MPI.Finalize())
 
 T = TypeVar("T")
 _OPS = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX}

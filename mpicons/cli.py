@@ -346,6 +346,9 @@ def check_report_path(path: str | None) -> None:
     """Refuse, before any work, a report path that cannot be written ('-' is standard output)."""
     if path is None or path == "-":
         return
+    from .machine import check_path_fits
+
+    check_path_fits(path, "report path name")
     parent = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise InputError(f"{path}: is a directory, not a file for the report")
@@ -558,18 +561,30 @@ def main(argv: Sequence[str] | None = None, comm: object | None = None) -> int:
         if comm.rank == 0:
             say(f"mpicons: error: {exc}", sys.stderr)
         return exc.exit_code
-    except Exception:  # noqa: BLE001 - last resort: never leave other ranks waiting
-        say(f"mpicons: internal error on rank {comm.rank}:\n{traceback.format_exc()}", sys.stderr)
+    except Exception as exc:  # noqa: BLE001 - last resort: never leave other ranks waiting
+        if not _reported_out_of_memory(exc, comm.rank):
+            say(f"mpicons: internal error on rank {comm.rank}:\n{traceback.format_exc()}", sys.stderr)
         if comm.size > 1:
             comm.abort(1)
         return 1
+
+
+def _reported_out_of_memory(exc: BaseException, rank: int) -> bool:
+    """Memory ran out outside a phase (start-up, MPI's start, between phases): the same one line as inside."""
+    from .machine import memory_exhausted, out_of_memory_line
+
+    if not memory_exhausted(exc):
+        return False
+    say(f"mpicons: error: [rank {rank}] {out_of_memory_line()}", sys.stderr)
+    return True
 
 
 def _abort_job(exc: BaseException) -> int:
     """An exception escaped everything: end the whole job now rather than leave ranks waiting."""
     mpi = sys.modules.get("mpi4py.MPI")
     rank = launcher_rank()
-    say(f"mpicons: internal error on rank {rank}: {type(exc).__name__}: {exc}", sys.stderr)
+    if not _reported_out_of_memory(exc, rank):
+        say(f"mpicons: internal error on rank {rank}: {type(exc).__name__}: {exc}", sys.stderr)
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.size > 1:
         mpi.COMM_WORLD.Abort(1)
     return 1

@@ -14,7 +14,7 @@ from .errors import InputError, MpiconsError
 from .exchange import ExchangeWriter
 from .formats import OutputFormat, output_format
 from .interrupts import deferred, forget_pending, raise_pending, raising_inside
-from .machine import check_buffer_size, host_name
+from .machine import check_buffer_size, check_names_fit, check_path_fits, host_name
 from .options import DEFAULT_BUFFER_SIZE, FORMATS, Options
 from .outdir import OutputDir
 from .outputs import OutputBackend, open_output
@@ -95,6 +95,30 @@ def check_machine(comm: Comm, input_dir: str, output_dir: str, buffer_size: int)
         check_buffer_size(buffer_size, sum(1 for other_host, _ in seen if other_host == host))
 
     agree(comm, check)
+
+
+def mapped_names(mapping: dict[str, str] | None) -> dict[str, str]:
+    """The file names a mapping gives, each with the first tensor it holds and where the mapping came from."""
+    source = getattr(mapping, "source", "mapping")
+    names: dict[str, str] = {}
+    for tensor, file_name in (mapping or {}).items():
+        names.setdefault(file_name, f"output file name (of tensor {tensor!r} in {source})")
+    return names
+
+
+def layout_names(layout: Layout, options: Options) -> dict[str, str]:
+    return {name: "output file name" for name in output_format(options.output_format).final_names(layout)}
+
+
+def check_output_names(comm: Comm, owner: int, output_dir: str, names: dict[str, str]) -> None:
+    """Refuse, before anything is created or written, an output directory or file names the output file
+    system cannot hold (too long, not plain names): bad input, not a create that fails mid-run."""
+
+    def check() -> None:
+        check_path_fits(output_dir, "output directory name")
+        check_names_fit(output_dir, names)
+
+    agree_on(comm, owner, check)
 
 
 def check_options(comm: Comm, options: Options) -> None:
@@ -185,15 +209,17 @@ def consolidate(
 
     try:
         with clock("scan"):
+            mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
+            check_output_names(comm, owner, output_dir, mapped_names(mapping))
             check_machine(comm, input_dir, output_dir, options.buffer_size)
             notes = agree_on(comm, owner, open_output_dir)
             if comm.rank == 0:
                 for note in notes:
                     log.info("%s: %s", output_dir, note)
-            mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
             scanned = scan_inputs(input_dir, comm, options)
         with clock("plan"):
             layout, part = plan_job(comm, scanned, options, mapping)
+            check_output_names(comm, owner, output_dir, layout_names(layout, options))
         with clock("write"):
             check_replicas(comm, scanned, layout, part, options.buffer_size)
             layout, written, moved, in_effect = _write(comm, held, scanned, layout, part, owner, options)

@@ -73,3 +73,24 @@ def deferred() -> Iterator[None]:
         yield
     finally:
         _State.inside_phase = previous
+
+
+@contextmanager
+def ending_at_once() -> Iterator[None]:
+    """Inside, a termination signal ends the process at once with the signal's default action.
+
+    For MPI's start-up: a rank blocked in MPI_Init (waiting for a peer that never comes) runs no
+    Python handler, so a recorded signal would never act; nothing has been written yet, so ending
+    is right. A signal recorded just before ends the process the same way. Only mpicons' own
+    handlers are swapped (a library caller's are left alone) and they are back afterwards.
+    """
+    ours = [signum for signum in HANDLED if signal.getsignal(signum) is _on_signal]
+    for signum in ours:
+        signal.signal(signum, signal.SIG_DFL)  # runs the handler of a signal caught just before, first
+    if _State.pending in ours:
+        signal.raise_signal(_State.pending)
+    try:
+        yield
+    finally:
+        for signum in ours:
+            signal.signal(signum, _on_signal)

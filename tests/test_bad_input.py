@@ -320,6 +320,26 @@ def mapping_escapes_directory(inp: Path) -> Expect:
     return Expect(rf"tensor '{COLS}' maps to .*, which is not a plain file name", str(path), args=["--mapping", str(path)])
 
 
+def mapping_names_a_file_too_long(inp: Path) -> Expect:
+    """A name the file system cannot hold (255 bytes on common ones) is bad input, found before any work."""
+    weight_map = {name: f"model-{index:05d}-of-00002.safetensors" for name, index in json.loads(MAPPING.read_text()).items()}
+    weight_map[COLS] = "m" * 300 + ".safetensors"
+    path = _mapping(inp, {"metadata": {}, "weight_map": weight_map})
+    return Expect(
+        r"is 312 bytes long; the file system there holds names of at most \d+ bytes: choose a shorter name",
+        str(inp.parent / "out"),
+        mentions=(f"tensor '{COLS}'", str(path)),
+        args=["--mapping", str(path)],
+    )
+
+
+def mapping_names_the_parent(inp: Path) -> Expect:
+    weight_map = {name: f"model-{index:05d}-of-00002.safetensors" for name, index in json.loads(MAPPING.read_text()).items()}
+    weight_map[COLS] = ".."
+    path = _mapping(inp, {"metadata": {}, "weight_map": weight_map})
+    return Expect(rf"tensor '{COLS}' maps to '..', which is not a plain file name", str(path), args=["--mapping", str(path)])
+
+
 def shard_number_out_of_range(inp: Path) -> Expect:
     name = "shard-00004-model-00001-of-99999999999.safetensors"
     (inp / V1).rename(inp / name)
@@ -387,6 +407,8 @@ CASES = [
     mapping_misses_tensor,
     mapping_names_absent_tensor,
     mapping_escapes_directory,
+    mapping_names_a_file_too_long,
+    mapping_names_the_parent,
     shard_number_out_of_range,
     replica_differs,
 ]
@@ -456,6 +478,32 @@ def test_bad_input_is_one_clear_error_under_mpiexec(tmp_path: Path, case: Callab
     assert proc.returncode == 2, proc.stderr
     _error_line(proc.stderr, expect, rank)
     assert not out.exists() or list(out.iterdir()) == []
+
+
+LONG = "n" * 300  # longer than any common file system's name limit (255 bytes)
+
+
+@pytest.mark.parametrize(
+    "where, args",
+    [
+        ("output directory name", lambda tmp: [str(tmp / LONG / "out")]),
+        ("output directory name", lambda tmp: [str(tmp / "out" / LONG)]),
+        ("report path name", lambda tmp: [str(tmp / "out"), "--stats-json", str(tmp / LONG)]),
+        ("report path name", lambda tmp: [str(tmp / "out"), "--stats-json", str(tmp / LONG / "s.json")]),
+    ],
+)
+def test_names_the_file_system_cannot_hold_are_refused_before_any_work(
+    tmp_path: Path, capsys, where: str, args: Callable[[Path], list[str]]
+) -> None:
+    from mpicons.comm import SingleProcess
+
+    code = main(["consolidate", str(SOURCE), *args(tmp_path)], comm=SingleProcess())
+    stderr = capsys.readouterr().err
+    assert code == 2, stderr
+    assert re.fullmatch(
+        rf"mpicons: error: (\[rank 0\] )?\S+: {where} 'n+\.\.\.' is 300 bytes long; .* choose a shorter name\n", stderr
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("ranks", [1, 3])

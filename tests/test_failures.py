@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import resource
+import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 from helpers import (
     FIXTURES,
+    MPIEXEC,
     assert_consolidated,
     fixture_expected,
     index_weight_map,
     mpirun,
     run_python,
     start,
+    subprocess_env,
     writing_started,
 )
 
@@ -195,3 +201,161 @@ def test_read_error_during_node_local_exchange_ends_every_rank(tmp_path):
     assert good.returncode == 0, good.stderr
     expected, mapping = fixture_expected("edge-3ranks")
     assert_consolidated(out, expected, index_weight_map(mapping))
+
+
+# ---------------------------------------------------------------- start-up
+
+
+def _process_with(argument: str) -> int | None:
+    """The pid of a python process whose command line holds ``argument`` (a path unique to the test)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if os.fsencode(argument) in argv and any(b"python" in arg for arg in argv[:1]):
+            return int(entry.name)
+    return None
+
+
+def _starting_mpi(pid: int) -> bool:
+    """The process has loaded the MPI library: it is inside MPI's start-up."""
+    try:
+        return "libmpi" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+def test_a_signal_ends_a_rank_waiting_for_mpi_to_start(tmp_path, signum):
+    """Rank 1 never starts MPI (a node that never came up), so rank 0 waits inside MPI_Init, where no
+    Python handler runs: the signal must still end it at once (nothing has been written)."""
+    out = tmp_path / "out"
+    command = f"{shlex.quote(sys.executable)} -m mpicons consolidate {shlex.quote(str(INPUT))} {shlex.quote(str(out))}"
+    # The launcher ends the job when a rank dies by a signal: the wrapper reports rank 0's status, then does.
+    rank_0 = f'{command}; echo "rank 0 exit status $?" >&2; kill -KILL $$'
+    script = f'if [ "$PMI_RANK" = 0 ]; then {rank_0}; else exec sleep 120; fi'
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", "2", "bash", "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        start_new_session=True,
+    )
+    try:
+        pid = None
+        while proc.poll() is None and (pid is None or not _starting_mpi(pid)):
+            pid = _process_with(str(out))
+            time.sleep(0.02)
+        assert pid is not None and proc.poll() is None, proc.communicate()
+        os.kill(pid, signum)
+        _, stderr = proc.communicate(timeout=30)  # rank 1 sleeps 120 s: only rank 0's end ends the job
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode != 0
+    assert f"rank 0 exit status {128 + signum}" in stderr, stderr  # ended by the signal itself
+    assert "Traceback" not in stderr, stderr
+    assert not out.exists()
+
+
+def test_a_signal_caught_before_mpi_starts_ends_the_process_there():
+    """A signal recorded before MPI's start-up would otherwise wait for the first phase, which a rank
+    blocked in MPI_Init never reaches."""
+    code = (
+        "import os, signal\n"
+        "from mpicons.interrupts import ending_at_once, install_handlers\n"
+        "install_handlers()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "with ending_at_once():\n"
+        "    print('still running')\n"
+    )
+    proc = run_python("-c", code, timeout=30)
+    assert proc.returncode == -signal.SIGTERM, proc.stderr
+    assert proc.stdout == "" and proc.stderr == ""
+
+
+def test_handlers_come_back_after_mpi_starts():
+    code = (
+        "import signal\n"
+        "from mpicons.interrupts import ending_at_once, install_handlers, pending_signal\n"
+        "install_handlers()\n"
+        "ours = signal.getsignal(signal.SIGTERM)\n"
+        "with ending_at_once():\n"
+        "    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL\n"
+        "assert signal.getsignal(signal.SIGTERM) is ours\n"
+        "signal.raise_signal(signal.SIGTERM)\n"
+        "print(pending_signal().name)\n"
+    )
+    proc = run_python("-c", code, timeout=30)
+    assert proc.returncode == 0 and proc.stdout.strip() == "SIGTERM", proc.stderr
+
+
+# ---------------------------------------------------------------- memory
+
+
+def _address_space(limit: int):
+    """A ``preexec_fn`` giving the child an address-space limit (``ulimit -v``)."""
+
+    def apply() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    return apply
+
+
+def _python_could_not_start(proc: subprocess.CompletedProcess) -> bool:
+    """The interpreter itself failed before running a line of mpicons (the loader, or Python's own start)."""
+    return proc.returncode == 127 or "Fatal Python error" in proc.stderr
+
+
+def _assert_one_clear_memory_line(stderr: str) -> bool:
+    """Whatever is said about memory is mpicons' one line; returns whether it was said."""
+    assert "Traceback" not in stderr and "internal error" not in stderr, stderr
+    lines = stderr.strip().splitlines()
+    if not any(word in stderr.lower() for word in ("memory", "alloc", "map segment")):
+        return False
+    assert len(lines) == 1 and re.match(r"mpicons: error: (\[rank 0\] )?out of memory", lines[0]), stderr
+    return True
+
+
+@pytest.mark.slow
+def test_memory_running_out_anywhere_is_one_clear_line(tmp_path):
+    """From limits where Python barely starts upward: imports, MPI's start, scan, plan, write, report."""
+    said, succeeded = 0, 0
+    for mib in range(12, 300, 12):
+        out = tmp_path / f"out-{mib}"
+        args = [sys.executable, "-m", "mpicons", "consolidate", INPUT, out, "--stats-json", tmp_path / f"s-{mib}.json"]
+        proc = subprocess.run(
+            args, capture_output=True, text=True, timeout=60, env=subprocess_env(), preexec_fn=_address_space(mib << 20)
+        )
+        if _python_could_not_start(proc):
+            continue
+        if proc.returncode == 0:
+            succeeded += 1
+            expected, mapping = fixture_expected("edge-3ranks")
+            assert_consolidated(out, expected, index_weight_map(mapping))
+            continue
+        assert proc.returncode in (1, 2), (mib, proc.returncode, proc.stderr)
+        said += _assert_one_clear_memory_line(proc.stderr)
+        assert not out.exists(), mib
+    assert said >= 5 and succeeded >= 1, (said, succeeded)
+
+
+@pytest.mark.slow
+def test_memory_running_out_before_mpi_starts_is_one_line_per_rank(tmp_path):
+    """Every rank under the same limit, too small for MPI to start: each says so in one line and exits."""
+    proc = subprocess.run(
+        [MPIEXEC, "-n", "2", sys.executable, "-m", "mpicons", "consolidate", str(INPUT), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=subprocess_env(),
+        preexec_fn=_address_space(150 << 20),
+    )
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    clear = r"mpicons: error: (\[rank [01]\] )?out of memory \(try a smaller --buffer-size"
+    assert len(lines) == 2 and all(re.match(clear, line) for line in lines), proc.stderr
+    assert not (tmp_path / "out").exists()
