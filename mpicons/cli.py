@@ -515,11 +515,11 @@ def check_launcher(world_size: int, environ: dict[str, str] | None = None) -> No
     sees them all in COMM_WORLD (mpiexec under Slurm starts one proxy task per node, never more tasks
     than ranks), so a world smaller than the step means every task runs alone.
     """
+    from .reports import count_of
+
     env = os.environ if environ is None else environ
     tasks = env.get("SLURM_STEP_NUM_TASKS") or (env.get("SLURM_NTASKS") if "SLURM_STEP_ID" in env else None)
     if tasks and tasks.isdigit() and int(tasks) > world_size:
-    from .reports import count_of
-
         raise InputError(
             f"srun started {tasks} tasks but MPI sees {count_of(world_size, 'rank')} per job: the tasks are not one MPI job. "
             "Launch with the PMI plugin your MPI was built for, e.g. 'srun --mpi=pmix' or 'srun --mpi=pmi2' "
