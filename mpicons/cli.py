@@ -440,10 +440,10 @@ def _cmd_consolidate(args: argparse.Namespace, comm: Comm) -> int:
 
 def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
     from .consolidation import consolidate
+    from .reports import count_of
     from .sample import SampleConfig, check_sample, write_sample
 
     _check_report_paths(comm, args.stats_json)
-    from .reports import count_of
     config = SampleConfig.sized(args.size) if args.size else SampleConfig()
     distcp = args.serialization or (_SERIALIZATIONS[0] if args.distcp else None)
     sharded = os.path.join(args.directory, "sharded" if distcp is None else f"distcp-{distcp}")
