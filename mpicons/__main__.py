@@ -6,6 +6,7 @@ running out while the command line itself loads is the same one line as anywhere
 """
 
 import os
+import signal
 import sys
 
 
@@ -30,14 +31,15 @@ def _could_not_start(exc: BaseException) -> int:
     """The exit code for a failure before the runner is there (out of memory, most likely)."""
     if isinstance(exc, SystemExit):
         return exc.code if isinstance(exc.code, int) else 1
+    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C before the handlers were in: end as Ctrl-C does
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGINT)
     try:
         from .machine import memory_exhausted, out_of_memory_line
     except BaseException:  # noqa: BLE001 - not even that loads: memory is what is missing
         sys.stderr.write("mpicons: error: out of memory\n")
         return 1
-    if isinstance(exc, KeyboardInterrupt):  # Ctrl-C before the handlers were in
-        what = "interrupted by SIGINT"
-    elif memory_exhausted(exc):
+    if memory_exhausted(exc):
         what = out_of_memory_line()
     else:
         what = f"cannot start: {type(exc).__name__}: {exc}"
