@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+#: The one line for memory running out, wherever it happens.
+OUT_OF_MEMORY = "out of memory (try a smaller --buffer-size, or fewer ranks per node)"
+
 
 class MpiconsError(Exception):
     """Base class: a failure mpicons can explain in one line."""

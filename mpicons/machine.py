@@ -8,11 +8,9 @@ import resource
 import socket
 from collections.abc import Mapping
 
-from .errors import InputError
+from .errors import OUT_OF_MEMORY, InputError
 from .reports import count_of, human_bytes, human_size
 
-#: The one line for memory running out, wherever it happens.
-OUT_OF_MEMORY = "out of memory (try a smaller --buffer-size, or fewer ranks per node)"
 #: Address space the libraries mpicons loads need to start. With less left under ``ulimit -v`` they end
 #: the process themselves with their own messages (OpenBLAS exits, MPI_Init aborts), so it is checked first.
 NUMPY_START_ROOM = 96 << 20  # numpy with one OpenBLAS thread: about 86 MB

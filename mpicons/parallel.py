@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from .comm import Communicator, sleeping_wait
-from .errors import InputError, Interrupted, MpiconsError, WriteError
+from .errors import OUT_OF_MEMORY, InputError, Interrupted, MpiconsError, WriteError
 from .interrupts import deferred, raise_pending, raising_inside
 
 Comm = Communicator
@@ -69,7 +69,7 @@ def _outcome(fn: Callable[[], T]) -> tuple[Error | None, T | None]:
         where = f"{exc.filename}: " if exc.filename else ""
         return ("write", f"{where}{exc.strerror or exc}"), None
     except MemoryError:
-        return ("write", "out of memory (try a smaller --buffer-size, or fewer ranks per node)"), None
+        return ("write", OUT_OF_MEMORY), None
     except KeyboardInterrupt:
         return ("interrupt", "interrupted (KeyboardInterrupt)"), None
     except BaseException as exc:  # noqa: BLE001 - a bug or a SystemExit inside a phase: reported on every rank
