@@ -25,9 +25,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from mpicons.cli import parse_size  # noqa: E402
-from mpicons.format import build_header  # noqa: E402
-from mpicons.plan import shard_file_name  # noqa: E402
+from mpicons.core.format import build_header  # noqa: E402
+from mpicons.core.plan import shard_file_name  # noqa: E402
+from mpicons.frontends.cli import parse_size  # noqa: E402
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 

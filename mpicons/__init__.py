@@ -4,26 +4,30 @@ Importing mpicons does not start MPI: the exports below and the public submodule
 ``mpicons.sample``, ``mpicons.torch``) load on first use, and MPI starts only when a function is
 given no communicator (COMM_WORLD) or one is created. No module is named like an exported name, so
 ``mpicons.verify`` is the function whatever has been imported.
+
+The package is layered, lowest first: ``core`` (pure), ``comm`` (the ranks), ``io`` (files),
+``job`` (consolidation), ``frontends`` (command line, inspect, verify, the sample, the torch
+drop-in); each may import only itself and the layers below. This top level is above them all.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+from .core.version import __version__
 
 _EXPORTS = {
-    "consolidate": "consolidation",
-    "ConsolidateResult": "consolidation",
-    "inspect": "inspection",
-    "InspectReport": "inspection",
-    "verify": "verification",
-    "VerifyReport": "verification",
-    "Options": "options",
+    "consolidate": "job.consolidation",
+    "ConsolidateResult": "job.consolidation",
+    "inspect": "frontends.inspection",
+    "InspectReport": "frontends.inspection",
+    "verify": "frontends.verification",
+    "VerifyReport": "frontends.verification",
+    "Options": "core.options",
     "Communicator": "comm",
-    "MpiconsError": "errors",
-    "InputError": "errors",
-    "WriteError": "errors",
+    "MpiconsError": "core.errors",
+    "InputError": "core.errors",
+    "WriteError": "core.errors",
 }
 
 #: Submodules reachable as attributes without an import of their own (``mpicons.comm.SingleProcess()``).
@@ -34,11 +38,11 @@ if TYPE_CHECKING:
     from . import sample as sample
     from . import torch as torch
     from .comm import Communicator
-    from .consolidation import ConsolidateResult, consolidate
-    from .errors import InputError, MpiconsError, WriteError
-    from .inspection import InspectReport, inspect
-    from .options import Options
-    from .verification import VerifyReport, verify
+    from .core.errors import InputError, MpiconsError, WriteError
+    from .core.options import Options
+    from .frontends.inspection import InspectReport, inspect
+    from .frontends.verification import VerifyReport, verify
+    from .job.consolidation import ConsolidateResult, consolidate
 
 
 def __getattr__(name: str) -> Any:

@@ -12,16 +12,16 @@ import sys
 
 def main() -> None:
     try:
-        from .interrupts import install_handlers
+        from .comm.interrupts import install_handlers
 
         install_handlers()
         # mpicons does no linear algebra: one BLAS thread spares each rank the other threads' buffers.
         os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-        from .machine import NUMPY_START_ROOM, check_room_to_start
+        from .core.machine import NUMPY_START_ROOM, check_room_to_start
 
         if "numpy" not in sys.modules:
             check_room_to_start("numpy", NUMPY_START_ROOM)
-        from .cli import run
+        from .frontends.cli import run
     except BaseException as exc:  # noqa: BLE001 - nothing may escape as a traceback
         sys.exit(_could_not_start(exc))
     run()
@@ -35,7 +35,7 @@ def _could_not_start(exc: BaseException) -> int:
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         signal.raise_signal(signal.SIGINT)
     try:
-        from .machine import memory_exhausted, out_of_memory_line
+        from .core.machine import memory_exhausted, out_of_memory_line
     except BaseException:  # noqa: BLE001 - not even that loads: memory is what is missing
         sys.stderr.write("mpicons: error: out of memory\n")
         return 1

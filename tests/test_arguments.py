@@ -6,7 +6,7 @@ import pytest
 from helpers import FIXTURES
 
 import mpicons
-from mpicons.errors import InputError
+from mpicons.core.errors import InputError
 
 
 @pytest.mark.mpi(min_size=2)

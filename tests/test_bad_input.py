@@ -22,10 +22,10 @@ from helpers import FIXTURES, mpirun, reference_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpicons.cli import main
-from mpicons.errors import InputError
-from mpicons.plan import build_plan
-from mpicons.table import read_table
+from mpicons.core.errors import InputError
+from mpicons.core.plan import build_plan
+from mpicons.core.table import read_table
+from mpicons.frontends.cli import main
 
 SOURCE = FIXTURES / "edge-3ranks" / "sharded"
 MAPPING = FIXTURES / "edge-3ranks" / "expected" / "mapping.json"

@@ -12,11 +12,11 @@ from dataclasses import fields
 import pytest
 from helpers import FIXTURES, cli, mpirun, subprocess_env
 
-from mpicons.cli import build_parser, closing_report, job_options, main, parse_size
-from mpicons.consolidation import ConsolidateResult
-from mpicons.options import Options
-from mpicons.reports import count_of, human_size
-from mpicons.stats import PHASES, Spread, Stats
+from mpicons.core.options import Options
+from mpicons.core.reports import count_of, human_size
+from mpicons.frontends.cli import build_parser, closing_report, job_options, main, parse_size
+from mpicons.job.consolidation import ConsolidateResult
+from mpicons.job.stats import PHASES, Spread, Stats
 
 INPUT = FIXTURES / "edge-3ranks" / "sharded"
 

@@ -12,7 +12,7 @@ from helpers import FIXTURES, assert_consolidated, fixture_expected, index_weigh
 from mpi4py import MPI
 
 import mpicons
-from mpicons.convert import convert
+from mpicons.core.convert import convert
 
 NUMPY = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32, "F64": np.float64, "F8_E4M3": ml_dtypes.float8_e4m3fn}
 FLOATS = set(NUMPY)

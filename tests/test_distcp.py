@@ -31,10 +31,10 @@ from helpers import (
 from mpi4py import MPI
 
 import mpicons
-from mpicons._pickling import Call, Global, Obj, dumps
-from mpicons.distcp import Item, locate, read_metadata
-from mpicons.errors import InputError
-from mpicons.format import DTYPES
+from mpicons.core.distcp import Item, locate, read_metadata
+from mpicons.core.errors import InputError
+from mpicons.core.format import DTYPES
+from mpicons.frontends._pickling import Call, Global, Obj, dumps
 from mpicons.sample import SampleConfig, check_sample, tensor_specs, write_sample
 
 TORCH_SAVE = "dtypes-2ranks"

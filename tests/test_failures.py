@@ -266,7 +266,7 @@ def test_a_signal_caught_before_mpi_starts_ends_the_process_there():
     blocked in MPI_Init never reaches."""
     code = (
         "import os, signal\n"
-        "from mpicons.interrupts import ending_at_once, install_handlers\n"
+        "from mpicons.comm.interrupts import ending_at_once, install_handlers\n"
         "install_handlers()\n"
         "os.kill(os.getpid(), signal.SIGTERM)\n"
         "with ending_at_once():\n"
@@ -280,7 +280,7 @@ def test_a_signal_caught_before_mpi_starts_ends_the_process_there():
 def test_handlers_come_back_after_mpi_starts():
     code = (
         "import signal\n"
-        "from mpicons.interrupts import ending_at_once, install_handlers, pending_signal\n"
+        "from mpicons.comm.interrupts import ending_at_once, install_handlers, pending_signal\n"
         "install_handlers()\n"
         "ours = signal.getsignal(signal.SIGTERM)\n"
         "with ending_at_once():\n"

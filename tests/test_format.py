@@ -11,8 +11,8 @@ from helpers import SPEC_DTYPE, reference_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpicons.errors import InputError
-from mpicons.format import DTYPE_BY_NAME, DTYPES, build_header, nbytes_of, parse_header, read_header, reference_order
+from mpicons.core.errors import InputError
+from mpicons.core.format import DTYPE_BY_NAME, DTYPES, build_header, nbytes_of, parse_header, read_header, reference_order
 
 WHOLE_BYTE_DTYPES = [d.name for d in DTYPES if d.bits % 8 == 0]
 

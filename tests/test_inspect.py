@@ -19,7 +19,7 @@ from helpers import FIXTURE_NAMES, FIXTURES, fixture_expected, index_weight_map,
 from mpi4py import MPI
 
 import mpicons
-from mpicons.inspection import InspectReport, inspect
+from mpicons.frontends.inspection import InspectReport, inspect
 
 mpi = pytest.mark.mpi
 EDGE = FIXTURES / "edge-3ranks" / "sharded"

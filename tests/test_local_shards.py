@@ -9,7 +9,7 @@ from helpers import assert_consolidated, sample_expected
 from mpi4py import MPI
 
 import mpicons
-from mpicons.errors import InputError
+from mpicons.core.errors import InputError
 from mpicons.sample import SampleConfig, expected_mapping, write_sample
 
 pytestmark = pytest.mark.mpi

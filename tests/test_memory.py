@@ -89,8 +89,8 @@ def test_planning_memory_is_the_ranks_share_of_the_pieces(mpi_tmp_path):
     from mpi4py import MPI
 
     from mpicons.comm import as_communicator
-    from mpicons.plan import build_layout
-    from mpicons.scan import distribute, scan
+    from mpicons.core.plan import build_layout
+    from mpicons.job.scan import distribute, scan
 
     comm = as_communicator(MPI.COMM_WORLD)
     training_ranks, tensors = 256, 500

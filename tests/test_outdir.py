@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-import mpicons.outdir as outdir
+import mpicons.io.outdir as outdir
 from mpicons.comm import SingleProcess
-from mpicons.errors import InputError, WriteError
-from mpicons.outdir import LOCK_NAME, Holder, OutputDir, OutputLock, UntrustedJournal, recover
-from mpicons.parallel import agree
+from mpicons.comm.agreement import agree
+from mpicons.core.errors import InputError, WriteError
+from mpicons.io.outdir import LOCK_NAME, Holder, OutputDir, OutputLock, UntrustedJournal, recover
 
 OLD = {
     "model-00001-of-00003.safetensors": b"old one",

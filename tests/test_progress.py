@@ -14,8 +14,8 @@ from mpi4py import MPI
 from test_failures import INJECT, INPUT, mpirun
 
 from mpicons.comm import as_communicator
-from mpicons.errors import InputError
-from mpicons.progress import Progress, human_bytes, progress_choice, watched_terminal_columns
+from mpicons.core.errors import InputError
+from mpicons.job.progress import Progress, human_bytes, progress_choice, watched_terminal_columns
 
 
 class FakeTerminal(io.StringIO):
@@ -132,7 +132,7 @@ def test_wrong_progress_setting_is_refused_by_name():
 def test_terminal_behind_the_launcher_is_found():
     """Under mpiexec the ranks write to pipes; the bar is still drawn when mpiexec itself writes to a terminal."""
     env = {k: v for k, v in os.environ.items() if k not in ("MPICONS_PROGRESS", "COLUMNS")}
-    code = "import sys; from mpicons.progress import watched_terminal_columns as w; print(w(sys.stderr))"
+    code = "import sys; from mpicons.job.progress import watched_terminal_columns as w; print(w(sys.stderr))"
     master, slave = os.openpty()
     try:
         proc = subprocess.run(

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import FIXTURES, MPIEXEC, assert_consolidated, fixture_expected, index_weight_map, writing_started
 
-from mpicons.cli import check_launcher
-from mpicons.errors import InputError
+from mpicons.core.errors import InputError
+from mpicons.frontends.cli import check_launcher
 
 ROOT = Path(__file__).parent.parent
 INPUT = FIXTURES / "edge-3ranks" / "sharded"

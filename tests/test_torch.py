@@ -35,7 +35,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import mpicons  # noqa: E402
-from mpicons.errors import InputError, Interrupted  # noqa: E402
+from mpicons.core.errors import InputError, Interrupted  # noqa: E402
 from mpicons.torch import TorchComm, consolidate_safetensors_files_on_every_rank  # noqa: E402
 
 pytestmark = pytest.mark.torch_dist
@@ -317,7 +317,7 @@ def test_a_keyboard_interrupt_on_one_member_ends_every_member(
         def interrupted(*args: object, **kwargs: object) -> None:
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(mpicons.consolidation, "layout_of", interrupted)
+        monkeypatch.setattr(mpicons.job.consolidation, "layout_of", interrupted)
     caught: list[BaseException] = []
     try:
         mpicons.consolidate(FIXTURES / "tp2d-4ranks" / "sharded", shared_tmp / "out", comm=quick)
@@ -344,10 +344,10 @@ def _without_torchrun(env: dict[str, str]) -> dict[str, str]:
 _KILLED_MEMBER = """
 import os, signal, sys
 import torch.distributed as dist
-import mpicons, mpicons.consolidation
+import mpicons, mpicons.job.consolidation
 dist.init_process_group("gloo")
 if dist.get_rank() == 2:
-    mpicons.consolidation.layout_of = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    mpicons.job.consolidation.layout_of = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 try:
     mpicons.consolidate(sys.argv[1], sys.argv[2], comm=dist.group.WORLD)
 except Exception as exc:

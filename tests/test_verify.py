@@ -19,8 +19,8 @@ from helpers import FIXTURE_NAMES, FIXTURES, cli, reference_bytes
 from mpi4py import MPI
 
 import mpicons
-from mpicons.format import DTYPE_BY_NAME, read_header
-from mpicons.verification import VerifyReport, verify
+from mpicons.core.format import DTYPE_BY_NAME, read_header
+from mpicons.frontends.verification import VerifyReport, verify
 
 HERE = Path(__file__).parent
 EDGE = FIXTURES / "edge-3ranks" / "sharded"
@@ -463,8 +463,8 @@ def test_fifos_and_directories_in_place_of_files_are_reported_unopened(mpi_tmp_p
 
 
 def test_an_index_over_the_size_limit_is_not_read(tmp_path, monkeypatch):
-    from mpicons import verification
     from mpicons.comm import SingleProcess
+    from mpicons.frontends import verification
 
     out = tmp_path / "out"
     mpicons.consolidate(EDGE, out, comm=SingleProcess())

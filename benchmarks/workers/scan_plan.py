@@ -21,8 +21,8 @@ def measure(directory: Path, result: Path) -> None:
 
     sys.path.insert(0, str(REPO))
     from mpicons.comm import as_communicator
-    from mpicons.plan import build_layout
-    from mpicons.scan import distribute, scan
+    from mpicons.core.plan import build_layout
+    from mpicons.job.scan import distribute, scan
 
     comm = MPI.COMM_WORLD
     wrapped = as_communicator(comm)  # mpicons' communicator interface over the same MPI communicator

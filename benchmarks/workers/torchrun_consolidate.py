@@ -42,7 +42,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.which == "torch":
         from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files_on_every_rank
     else:
-        import mpicons.consolidation  # noqa: F401 - imported before the clock starts, as torch's module is
+        import mpicons.job.consolidation  # noqa: F401 - imported before the clock starts, as torch's module is
         from mpicons.torch import consolidate_safetensors_files_on_every_rank
 
     mapping = {k: int(v) for k, v in json.loads(Path(args.mapping).read_text()).items()}

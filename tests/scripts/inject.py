@@ -12,7 +12,7 @@ slowly), ``hold-write`` (every rank waits at its first block until the file name
 whose label starts with STEP: ``error`` raises an I/O error, ``kill`` SIGKILLs the process,
 ``term`` sends it SIGTERM).
 
-The command line runs through ``mpicons.cli.run`` exactly as the console script does; the rank is
+The command line runs through ``mpicons.frontends.cli.run`` exactly as the console script does; the rank is
 taken from the launcher's environment, so MPI starts where it always does.
 """
 
@@ -23,14 +23,14 @@ import signal
 import sys
 import time
 
-import mpicons.cli
-import mpicons.consolidation
-import mpicons.outdir
-import mpicons.writer
+import mpicons.frontends.cli
+import mpicons.io.outdir
+import mpicons.job.consolidation
+import mpicons.job.writer
 
 fault, victim = sys.argv[1], int(sys.argv[2])
 args = sys.argv[sys.argv.index("--") + 1 :]
-rank = mpicons.cli.launcher_rank()
+rank = mpicons.frontends.cli.launcher_rank()
 
 if fault == "fsize-limit":  # every rank, once MPI is up (its shared memory must not hit it): a 200 kB file-size limit
     import resource
@@ -46,15 +46,15 @@ if fault == "fsize-limit":  # every rank, once MPI is up (its shared memory must
 
     mpicons.comm.as_communicator = limited
 elif fault == "slow-write":  # every rank: slow writes, so a signal can arrive mid-write
-    original_slow = mpicons.writer.Writer._next_slot
+    original_slow = mpicons.job.writer.Writer._next_slot
 
     def slow_slot(self, size):
         time.sleep(0.05)
         return original_slow(self, size)
 
-    mpicons.writer.Writer._next_slot = slow_slot
+    mpicons.job.writer.Writer._next_slot = slow_slot
 elif fault == "hold-write":  # every rank: hold the first block until the test creates the release file
-    original_held = mpicons.writer.Writer._next_slot
+    original_held = mpicons.job.writer.Writer._next_slot
     release = os.environ["MPICONS_TEST_RELEASE"]
     held = []
 
@@ -65,29 +65,29 @@ elif fault == "hold-write":  # every rank: hold the first block until the test c
                 time.sleep(0.02)
         return original_held(self, size)
 
-    mpicons.writer.Writer._next_slot = held_slot
+    mpicons.job.writer.Writer._next_slot = held_slot
 elif rank == victim:
     if fault == "write-oserror":
 
         def failing_run(self):
             raise OSError(5, "Input/output error (injected)", "/injected/path")
 
-        mpicons.writer.Writer.run = failing_run
+        mpicons.job.writer.Writer.run = failing_run
     elif fault == "bug-after-write":
 
         def failing_stats(*a, **k):
             raise RuntimeError("injected bug outside an agreed phase")
 
-        mpicons.consolidation.reduce_stats = failing_stats
+        mpicons.job.consolidation.reduce_stats = failing_stats
     elif fault == "read-error":  # any shard read fails, including reads for other ranks (node-local mode)
-        import mpicons.sources
+        import mpicons.io.sources
 
         def failing_read(self, file, offset, target):
             raise OSError(5, "Input/output error (injected)", self.path(file))
 
-        mpicons.sources.SourceFiles.read_into = failing_read
+        mpicons.io.sources.SourceFiles.read_into = failing_read
     elif fault in ("kill-write", "signal-write"):  # as the rank starts its first block
-        original = mpicons.writer.Writer._next_slot
+        original = mpicons.job.writer.Writer._next_slot
         calls = []
 
         def stopping_slot(self, size):
@@ -99,18 +99,18 @@ elif rank == victim:
                 time.sleep(30)
             return original(self, size)
 
-        mpicons.writer.Writer._next_slot = stopping_slot
+        mpicons.job.writer.Writer._next_slot = stopping_slot
     elif fault in ("signal-progress-start", "signal-progress-finish"):  # the rank gets SIGTERM in the reporter's protocol
-        import mpicons.progress
+        import mpicons.job.progress
 
         name = "__init__" if fault.endswith("start") else "finish"
-        original_method = getattr(mpicons.progress.Progress, name)
+        original_method = getattr(mpicons.job.progress.Progress, name)
 
         def signalled(self, *a, **k):
             os.kill(os.getpid(), signal.SIGTERM)
             return original_method(self, *a, **k)
 
-        setattr(mpicons.progress.Progress, name, signalled)
+        setattr(mpicons.job.progress.Progress, name, signalled)
     elif fault.startswith("publish-"):
         _, step, how = fault.split("-", 2)
         step = step.replace("_", " ")
@@ -125,7 +125,7 @@ elif rank == victim:
             if how == "term":
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        mpicons.outdir.step_hook = hook
+        mpicons.io.outdir.step_hook = hook
 
 sys.argv = ["mpicons", *args]
-mpicons.cli.run()
+mpicons.frontends.cli.run()

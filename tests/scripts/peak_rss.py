@@ -11,7 +11,7 @@ import sys
 
 from mpi4py import MPI  # noqa: F401 - initialise MPI before the measurement starts
 
-import mpicons.cli
+import mpicons.frontends.cli
 
 
 def high_water_mark_mb() -> float:
@@ -29,6 +29,6 @@ def reset_high_water_mark() -> None:
 
 reset_high_water_mark()
 start = high_water_mark_mb()
-code = mpicons.cli.main(sys.argv[1:])
+code = mpicons.frontends.cli.main(sys.argv[1:])
 print(f"PEAK_RSS_MB {high_water_mark_mb():.1f} START_RSS_MB {start:.1f}", flush=True)
 sys.exit(code)

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 import numpy as np
 from mpi4py import MPI
 
-from .errors import WriteError
-from .interrupts import deferred
+from ..comm.interrupts import deferred
+from ..core.errors import WriteError
 from .outputs import MAX_OPEN_OUTPUTS, _bounce_copy, _Output
 from .sources import MAX_TRANSFER, CachedHandles, HandleCache, SourceFiles
 

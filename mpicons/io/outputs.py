@@ -1,21 +1,22 @@
-"""Output backends: one interface (:class:`OutputBackend`), the posix implementation, and the factory.
+"""Output backends: one interface (:class:`OutputBackend`) and the posix implementation.
 
-``posix`` writes with ``pwrite`` and ``os.copy_file_range``; ``mpiio`` (:mod:`mpicons.mpiio`) opens
-the files with ``MPI.File``. Every single transfer stays below 2 GiB, the C ``int`` limit of many
-MPI builds and of some kernels. No MPI here: the MPI-IO backend is imported only when chosen.
+``posix`` writes with ``pwrite`` and ``os.copy_file_range``; ``mpiio`` (:mod:`mpicons.io.mpiio`) opens
+the files with ``MPI.File`` and shares this module's base class; :mod:`mpicons.io.backends` chooses
+between them. Every single transfer stays below 2 GiB, the C ``int`` limit of many MPI builds and
+of some kernels. No MPI here.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
 
-from .comm import Communicator
-from .errors import InputError, WriteError
+from ..comm import Communicator
+from ..core.errors import WriteError
 from .sources import MAX_TRANSFER, CachedHandles, HandleCache, SourceFiles
 
 #: Output files a rank keeps open at once (per backend), so thousands of outputs never exhaust descriptors.
@@ -201,33 +202,3 @@ def _bounce_copy(
         chunk = view[: min(len(view), length - start)]
         sources.read_into(src, src_offset + start, chunk)
         output.write(file, offset + start, chunk)
-
-
-BACKENDS = ("posix", "mpiio")
-
-
-def open_output(
-    kind: str,
-    comm: Communicator,
-    paths: Sequence[str],
-    headers: Sequence[bytes],
-    sizes: Sequence[int],
-    hints: Mapping[str, str] | None = None,
-    preallocated: bool = False,
-    owner: int = 0,
-    durable: bool = True,
-) -> OutputBackend:
-    """An output backend; ``preallocated`` outputs already exist with their layout (HDF5) and are only opened.
-
-    ``owner`` creates the posix outputs (the rank whose disk holds them with ``gather_to``);
-    ``durable=False`` skips flushing to stable storage. ``mpiio`` needs an MPI communicator.
-    """
-    if kind == "posix":
-        return PosixOutput(comm, paths, headers, sizes, preallocated, durable, owner=owner)
-    if kind == "mpiio":
-        if not hasattr(comm, "mpi"):
-            raise InputError("--io mpiio needs an MPI communicator (this job's communicator is not MPI): use --io posix")
-        from .mpiio import MpiioOutput
-
-        return MpiioOutput(comm, paths, headers, sizes, preallocated, durable, hints=hints)
-    raise InputError(f"unknown I/O backend {kind!r} (choose from {', '.join(BACKENDS)})")

@@ -19,14 +19,14 @@ import traceback
 from collections.abc import Callable, Iterable, Sequence
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
-from . import __version__
-from .errors import InputError, MpiconsError, WriteError
-from .interrupts import install_handlers
+from ..comm.interrupts import install_handlers
+from ..core.errors import InputError, MpiconsError, WriteError
+from ..core.version import __version__
 
 if TYPE_CHECKING:
-    from .comm import Communicator as Comm
-    from .consolidation import ConsolidateResult
-    from .options import Options
+    from ..comm import Communicator as Comm
+    from ..core.options import Options
+    from ..job.consolidation import ConsolidateResult
 
 DEFAULT_BUFFER_SIZE = 32 << 20
 _UNITS = {
@@ -316,8 +316,8 @@ def job_options(args: argparse.Namespace) -> Options:
     """The library's options object from the parsed command line (every field has an option).
 
     ``MPICONS_PROGRESS`` is checked here too, so a wrong value stops the run before any work."""
-    from .options import Options
-    from .progress import progress_choice
+    from ..core.options import Options
+    from ..job.progress import progress_choice
 
     progress_choice()
     return Options(
@@ -346,7 +346,7 @@ def check_report_path(path: str | None) -> None:
     """Refuse, before any work, a report path that cannot be written ('-' is standard output)."""
     if path is None or path == "-":
         return
-    from .machine import check_path_fits
+    from ..core.machine import check_path_fits
 
     check_path_fits(path, "report path name")
     parent = os.path.dirname(os.path.abspath(path))
@@ -360,7 +360,7 @@ def check_report_path(path: str | None) -> None:
 
 def write_report(comm: Comm, path: str | None, make: Callable[[], object], root: int = 0) -> None:
     """Write a JSON report from ``root`` ('-': standard output); every rank learns whether it worked."""
-    from .parallel import agree_on
+    from ..comm.agreement import agree_on
 
     def write() -> None:
         text = json.dumps(make(), indent=2) + "\n"
@@ -378,7 +378,7 @@ def write_report(comm: Comm, path: str | None, make: Callable[[], object], root:
 
 
 def _check_report_paths(comm: Comm, *paths: str | None) -> None:
-    from .parallel import agree_on
+    from ..comm.agreement import agree_on
 
     def check() -> None:
         for path in paths:
@@ -391,7 +391,7 @@ def _check_report_paths(comm: Comm, *paths: str | None) -> None:
 
 
 def _print_result(args: argparse.Namespace, comm: Comm, result: ConsolidateResult) -> None:
-    from .progress import report_columns
+    from ..job.progress import report_columns
 
     if comm.rank != 0 or args.quiet or args.stats_json == "-":
         return
@@ -401,7 +401,7 @@ def _print_result(args: argparse.Namespace, comm: Comm, result: ConsolidateResul
 def closing_report(result: ConsolidateResult, verbose: bool, width: int) -> list[str]:
     """The lines printed after a consolidation, fitted to ``width`` columns (one item per line where a
     line would not fit; only a single name longer than the width can pass it)."""
-    from .reports import count_of, fit_items, skipped_parts, wrapped
+    from ..core.reports import count_of, fit_items, skipped_parts, wrapped
 
     lines = result.stats.table(width).split("\n")
     if verbose:
@@ -429,7 +429,7 @@ def _stats_report(result: ConsolidateResult) -> dict[str, object]:
 
 
 def _cmd_consolidate(args: argparse.Namespace, comm: Comm) -> int:
-    from .consolidation import consolidate
+    from ..job.consolidation import consolidate
 
     _check_report_paths(comm, args.stats_json)
     result = consolidate(args.input_dir, args.output_dir, job_options(args), comm=comm)
@@ -439,8 +439,8 @@ def _cmd_consolidate(args: argparse.Namespace, comm: Comm) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
-    from .consolidation import consolidate
-    from .reports import count_of
+    from ..core.reports import count_of
+    from ..job.consolidation import consolidate
     from .sample import SampleConfig, check_sample, write_sample
 
     _check_report_paths(comm, args.stats_json)
@@ -515,7 +515,7 @@ def check_launcher(world_size: int, environ: dict[str, str] | None = None) -> No
     sees them all in COMM_WORLD (mpiexec under Slurm starts one proxy task per node, never more tasks
     than ranks), so a world smaller than the step means every task runs alone.
     """
-    from .reports import count_of
+    from ..core.reports import count_of
 
     env = os.environ if environ is None else environ
     tasks = env.get("SLURM_STEP_NUM_TASKS") or (env.get("SLURM_NTASKS") if "SLURM_STEP_ID" in env else None)
@@ -548,7 +548,7 @@ def main(argv: Sequence[str] | None = None, comm: object | None = None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as exc:  # usage error, --help or --version: already printed once, before MPI starts
         return exc.code if isinstance(exc.code, int) else 2
-    from .comm import as_communicator
+    from ..comm import as_communicator
 
     world = comm is None
     comm = as_communicator(comm)  # MPI starts here (None: COMM_WORLD), after the signal handlers are in place
@@ -571,7 +571,7 @@ def main(argv: Sequence[str] | None = None, comm: object | None = None) -> int:
 
 def _reported_out_of_memory(exc: BaseException, rank: int) -> bool:
     """Memory ran out outside a phase (start-up, MPI's start, between phases): the same one line as inside."""
-    from .machine import memory_exhausted, out_of_memory_line
+    from ..core.machine import memory_exhausted, out_of_memory_line
 
     if not memory_exhausted(exc):
         return False

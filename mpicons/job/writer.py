@@ -1,5 +1,5 @@
 """Writing one rank's part: large contiguous pieces copied file to file, everything else assembled
-block by block (:mod:`mpicons.engine`) and written with one large write per block.
+block by block (:mod:`mpicons.core.engine`) and written with one large write per block.
 
 With the posix backend, writes and kernel copies run on background threads while the main
 thread reads and assembles the next block (two output buffers alternate), so reading, placing
@@ -15,10 +15,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from .engine import Assembler, Direct, Segment, block_budget, blocks, direct_pieces, plan_item
-from .outputs import OutputBackend
-from .plan import Layout, Part
-from .sources import SourceFiles
+from ..core.engine import Assembler, Direct, Segment, block_budget, blocks, direct_pieces, plan_item
+from ..core.plan import Layout, Part
+from ..io.outputs import OutputBackend
+from ..io.sources import SourceFiles
 
 #: Contiguous copies are issued in steps of this size so progress and signals are seen often.
 COPY_CHUNK = 256 << 20

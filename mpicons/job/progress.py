@@ -21,9 +21,9 @@ from typing import TextIO
 
 import numpy as np
 
-from .comm import Communicator, Request
-from .errors import InputError
-from .reports import human_bytes
+from ..comm import Communicator, Request
+from ..core.errors import InputError
+from ..core.reports import human_bytes
 
 TAG = 17
 

@@ -1,6 +1,6 @@
 """Output formats: what a layout becomes on disk, and which names a run publishes (no MPI here).
 
-The job (:mod:`mpicons.consolidation`) asks the format, never tests for one: ``safetensors``
+The job (:mod:`mpicons.job.consolidation`) asks the format, never tests for one: ``safetensors``
 publishes the files of the layout and the index last; ``hdf5`` lays one ``model.h5`` out with
 h5py (on the rank owning the output directory) and publishes that.
 """
@@ -11,9 +11,10 @@ import json
 import os
 from typing import Protocol
 
-from .errors import InputError
+from ..core.errors import InputError
+from ..core.names import INDEX_NAME
+from ..core.plan import Layout
 from .hdf5 import HDF5_NAME, check_names, create_layout, retarget
-from .plan import INDEX_NAME, Layout
 
 
 class OutputFormat(Protocol):

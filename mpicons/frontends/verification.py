@@ -25,23 +25,24 @@ from typing import Any
 
 import numpy as np
 
-from .comm import as_communicator
-from .consolidation import DEFAULT_BUFFER_SIZE, check_buffer_fits
-from .convert import TARGETS
-from .engine import Assembler, Block, Segment, block_budget, blocks, segment_bytes, segment_offset
-from .errors import InputError, MpiconsError, WriteError
-from .exchange import ExchangeWriter
-from .format import DTYPE_BY_NAME, MAX_HEADER_SIZE, Header, nbytes_of, parse_header
-from .hdf5 import HDF5_NAME, dataset_path, storage_dtype
-from .interrupts import deferred
-from .outdir import LOCK_NAME, STAGING_PREFIX, Holder, plain_file_name
-from .parallel import Comm, agree, agree_arguments, agree_on
-from .plan import INDEX_NAME, OUTPUT_METADATA, SINGLE_FILE_NAME, Layout, Part, build_layout
-from .reports import Problem, human_bytes
-from .reports import count_of as _count
-from .scan import Scanned, distribute, scan, select
-from .sources import MAX_TRANSFER, SourceFiles
-from .table import DCP_SHARD_NAME
+from ..comm import as_communicator
+from ..comm.agreement import Comm, agree, agree_arguments, agree_on
+from ..comm.interrupts import deferred
+from ..core.convert import TARGETS
+from ..core.engine import Assembler, Block, Segment, block_budget, blocks, segment_bytes, segment_offset
+from ..core.errors import InputError, MpiconsError, WriteError
+from ..core.format import DTYPE_BY_NAME, MAX_HEADER_SIZE, Header, nbytes_of, parse_header
+from ..core.names import INDEX_NAME, SINGLE_FILE_NAME, plain_file_name
+from ..core.plan import OUTPUT_METADATA, Layout, Part, build_layout
+from ..core.reports import Problem, human_bytes
+from ..core.reports import count_of as _count
+from ..core.table import DCP_SHARD_NAME
+from ..io.hdf5 import HDF5_NAME, dataset_path, storage_dtype
+from ..io.outdir import LOCK_NAME, STAGING_PREFIX, Holder
+from ..io.sources import MAX_TRANSFER, SourceFiles
+from ..job.consolidation import DEFAULT_BUFFER_SIZE, check_buffer_fits
+from ..job.exchange import ExchangeWriter
+from ..job.scan import Scanned, distribute, scan, select
 
 #: Smallest comparison buffer half: must hold one storage unit (≤ 8 bytes); tiny values are for tests.
 MIN_HALF_BUFFER = 64
@@ -857,7 +858,7 @@ def verify(
         dtype: the output was written with this ``--dtype``; the shards are converted the same way
             before comparing.
         include, exclude, strip_prefix: the output was written with this tensor selection
-            (:class:`~mpicons.options.Options`): the shards are selected and renamed alike.
+            (:class:`~mpicons.core.options.Options`): the shards are selected and renamed alike.
         follow_links: accept symbolic links to regular files (a Hugging Face cache snapshot links
             its files into ``blobs/``); links to anything else are still reported.
 

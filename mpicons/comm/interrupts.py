@@ -1,7 +1,7 @@
 """Termination signals turned into an agreed, clean failure (no MPI here).
 
 The command line installs the handlers before MPI starts, so no signal can arrive while nothing
-catches it. A caught signal is only *recorded*; it is raised as :class:`~mpicons.errors.Interrupted`
+catches it. A caught signal is only *recorded*; it is raised as :class:`~mpicons.core.errors.Interrupted`
 inside a phase (where the failure is then agreed over the communicator), never between
 collectives, where raising would leave the other ranks waiting.
 """
@@ -12,7 +12,7 @@ import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .errors import Interrupted
+from ..core.errors import Interrupted
 
 #: What Slurm and a terminal send: a time limit (TERM, or USR1 with ``--signal``), Ctrl-C.
 HANDLED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)

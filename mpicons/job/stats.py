@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from .comm import Communicator
-from .reports import count_of, fit_items, human_bytes, wrapped
+from ..comm import Communicator
+from ..core.reports import count_of, fit_items, human_bytes, wrapped
 
 PHASES = ("scan", "plan", "write", "finalize")
 

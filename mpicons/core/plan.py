@@ -26,15 +26,12 @@ import numpy as np
 from .convert import converted_dtype
 from .errors import InputError
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
-from .outdir import plain_file_name
+from .names import INDEX_NAME, SINGLE_FILE_NAME, output_name, plain_file_name
 from .reports import count_of
 from .table import Pieces, ShardFiles, Table, missing_shards, shard_file_name  # noqa: F401 - re-exported
 
 #: What Hugging Face ``save_pretrained`` writes; transformers refuses files without it.
 OUTPUT_METADATA = {"format": "pt"}
-INDEX_NAME = "model.safetensors.index.json"
-#: What Hugging Face names a checkpoint of one file (and writes no index for).
-SINGLE_FILE_NAME = "model.safetensors"
 #: Hugging Face's default ``max_shard_size`` ("5GB", 10⁹ bytes a GB): the sharding of inputs that name no files.
 HF_MAX_SHARD_SIZE = 5 * 10**9
 #: Above this many grid cells a tensor's coverage is checked pairwise instead of on a grid.
@@ -313,10 +310,6 @@ def parse_mapping(obj: object, source: str = "mapping") -> dict[str, str]:
         count = max(obj.values())
         return FileMapping({name: output_name(index, count) for name, index in obj.items()}, source)
     raise InputError(f"{source}: expected {{tensor: file index}} or a model.safetensors.index.json with a weight_map")
-
-
-def output_name(index: int, count: int) -> str:
-    return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
 def natural_key(name: str) -> list[tuple[int, int | str]]:

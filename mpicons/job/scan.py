@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from .distcp import DATA_SUFFIX, METADATA_NAME, DistcpTable, Item, locate, read_metadata
-from .errors import InputError
-from .format import DTYPES
-from .machine import host_name
-from .parallel import Comm, agree
-from .plan import (
+from ..comm.agreement import Comm, agree
+from ..core.distcp import DATA_SUFFIX, METADATA_NAME, DistcpTable, Item, locate, read_metadata
+from ..core.errors import InputError
+from ..core.format import DTYPES
+from ..core.machine import host_name
+from ..core.plan import (
     Layout,
     Part,
     Problems,
@@ -41,8 +41,8 @@ from .plan import (
     piece_destinations,
     set_odd,
 )
-from .reports import count_of
-from .table import (
+from ..core.reports import count_of
+from ..core.table import (
     Pieces,
     ShardFiles,
     list_shards,

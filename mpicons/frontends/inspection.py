@@ -18,16 +18,16 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from .comm import as_communicator
-from .consolidation import layout_of, load_mapping, scan_inputs
-from .errors import InputError
-from .options import Options
-from .parallel import agree, agree_arguments, agree_on
-from .plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, natural_key
-from .reports import Problem, human_bytes, skipped_entries
-from .reports import count_of as _count
-from .scan import distribute
-from .table import ShardFiles, missing_shards
+from ..comm import as_communicator
+from ..comm.agreement import agree, agree_arguments, agree_on
+from ..core.errors import InputError
+from ..core.options import Options
+from ..core.plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, natural_key
+from ..core.reports import Problem, human_bytes, skipped_entries
+from ..core.reports import count_of as _count
+from ..core.table import ShardFiles, missing_shards
+from ..job.consolidation import layout_of, load_mapping, scan_inputs
+from ..job.scan import distribute
 
 #: Width the table output is laid out for.
 WIDTH = 100

@@ -4,7 +4,7 @@ An exception on one rank before a collective would leave the others blocked in i
 phase therefore runs through :func:`agree`: the outcome (value or error) of each rank is
 exchanged in the phase's own collective and, if any rank failed, every rank raises the
 first failure, naming the rank it happened on. A ``KeyboardInterrupt`` inside a phase is an
-outcome too: every rank raises :class:`~mpicons.errors.Interrupted`, and the interrupted rank's
+outcome too: every rank raises :class:`~mpicons.core.errors.Interrupted`, and the interrupted rank's
 is also a ``KeyboardInterrupt`` (:class:`KeyboardInterrupted`), so a Python caller's Ctrl-C
 handling still sees it.
 """
@@ -18,8 +18,8 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .comm import Communicator, sleeping_wait
-from .errors import OUT_OF_MEMORY, InputError, Interrupted, MpiconsError, WriteError
+from ..core.errors import OUT_OF_MEMORY, InputError, Interrupted, MpiconsError, WriteError
+from .base import Communicator, sleeping_wait
 from .interrupts import deferred, raise_pending, raising_inside
 
 Comm = Communicator
@@ -36,7 +36,7 @@ _KINDS: dict[str, type[MpiconsError]] = {
 
 class KeyboardInterrupted(Interrupted, KeyboardInterrupt):
     """What the rank that caught a ``KeyboardInterrupt`` raises once every rank agreed on it: an
-    :class:`~mpicons.errors.Interrupted` like the other ranks', and still a ``KeyboardInterrupt`` for
+    :class:`~mpicons.core.errors.Interrupted` like the other ranks', and still a ``KeyboardInterrupt`` for
     code that handles Ctrl-C (uncaught, Python exits as it does after Ctrl-C)."""
 
 

@@ -9,7 +9,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from .errors import WriteError
+from ..core.errors import WriteError
 
 #: Largest single read, write or copy_file_range call (below the C ``int`` limit of many MPI builds and kernels).
 MAX_TRANSFER = 1 << 30

@@ -14,9 +14,9 @@ from dataclasses import replace
 
 import numpy as np
 
-from .errors import InputError, WriteError
-from .format import DTYPE_BY_NAME
-from .plan import Layout, OutputFile
+from ..core.errors import InputError, WriteError
+from ..core.format import DTYPE_BY_NAME
+from ..core.plan import Layout, OutputFile
 
 HDF5_NAME = "model.h5"
 _RAW = {8: np.uint8, 16: np.uint16}

@@ -2,7 +2,7 @@
 writes everything (``--gather-to``): bytes a writer cannot read come from a rank that can, one
 message per block per reader.
 
-Before writing, each writer computes its blocks (:mod:`mpicons.engine`), and for every block and
+Before writing, each writer computes its blocks (:mod:`mpicons.core.engine`), and for every block and
 every rank holding some of its bytes, the coalesced reads that rank must do; one Alltoallv hands
 every rank its requests. Large contiguous pieces are copied file to file by a rank that can read
 them (delegated with a second Alltoallv) unless the output is gathered on one rank.
@@ -22,16 +22,16 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .comm import Request, wait_all
-from .engine import Assembler, Block, Direct, Runs, block_budget, blocks, coalesce, direct_pieces, place, plan_item
-from .errors import Interrupted
-from .interrupts import pending_signal
-from .outputs import OutputBackend
-from .parallel import Comm
-from .plan import Layout, Part
+from ..comm import Request, wait_all
+from ..comm.agreement import Comm
+from ..comm.interrupts import pending_signal
+from ..core.engine import Assembler, Block, Direct, Runs, block_budget, blocks, coalesce, direct_pieces, place, plan_item
+from ..core.errors import Interrupted
+from ..core.plan import Layout, Part
+from ..core.table import ShardFiles
+from ..io.outputs import OutputBackend
+from ..io.sources import SourceFiles
 from .scan import exchange
-from .sources import SourceFiles
-from .table import ShardFiles
 
 TAG = 29
 SEND_WINDOW = 2

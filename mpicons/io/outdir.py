@@ -44,7 +44,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import InputError, WriteError
+from ..core.errors import InputError, WriteError
+from ..core.names import CHECKPOINT_FILE, INDEX_NAME, SHARD_FILE, plain_file_name
 
 LOCK_NAME = ".mpicons.lock"
 STAGING_PREFIX = ".mpicons-staging-"
@@ -53,11 +54,6 @@ JOURNAL_NAME = ".journal.json"
 #: Inside the staging directory: entries of the output directory that the new checkpoint replaces.
 ASIDE_DIR = ".replaced"
 JOURNAL_VERSION = 2
-INDEX_NAME = "model.safetensors.index.json"
-#: File names a Hugging Face safetensors checkpoint is made of (beside the files its index names).
-CHECKPOINT_FILE = re.compile(r"^(model-\d{5,}-of-\d{5,}\.safetensors|model\.safetensors|model\.safetensors\.index\.json)$")
-#: Files of a sharded checkpoint (DCP's safetensors layout, DCP's default format): never an output directory's.
-SHARD_FILE = re.compile(r"^(shard-\d+-model-\d+-of-\d+\.safetensors|\.metadata|.+\.distcp)$")
 _TOKEN = re.compile(r"^[0-9a-f]{8,64}$")
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
@@ -716,11 +712,6 @@ def remove_staging(staging: str) -> None:
     if os.path.lexists(os.path.join(staging, JOURNAL_NAME)):
         os.unlink(os.path.join(staging, JOURNAL_NAME))
     os.rmdir(staging)
-
-
-def plain_file_name(name: object) -> bool:
-    """A file name that stays inside its directory: not empty, not ``.``/``..``, no separators or NUL."""
-    return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in "/\\\0")
 
 
 def _settle(directory: str, staging: str) -> str:

@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..core.machine import MPI_START_ROOM, check_room_to_start
 from .interrupts import ending_at_once
-from .machine import MPI_START_ROOM, check_room_to_start
 
 if "mpi4py.MPI" not in sys.modules:
     check_room_to_start("MPI", MPI_START_ROOM)
@@ -106,3 +106,13 @@ class MPIComm:
 
     def abort(self, code: int) -> None:
         self.mpi.Abort(code)
+
+
+def default() -> MPIComm:
+    """The communicator for ``comm=None``: every rank of the MPI job (``COMM_WORLD``)."""
+    return MPIComm(world())
+
+
+def adapt(comm: Any) -> MPIComm:
+    """An mpi4py communicator as mpicons' :class:`~mpicons.comm.Communicator` (see :data:`mpicons.comm.ADAPTERS`)."""
+    return MPIComm(comm)

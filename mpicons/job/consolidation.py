@@ -9,21 +9,23 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from .comm import as_communicator
-from .errors import InputError, MpiconsError
+from ..comm import as_communicator
+from ..comm.agreement import Comm, agree, agree_arguments, agree_on, wait_for_all
+from ..comm.interrupts import deferred, forget_pending, raise_pending, raising_inside
+from ..core.errors import InputError, MpiconsError
+from ..core.machine import check_buffer_size, check_names_fit, check_path_fits, host_name
+from ..core.names import INDEX_NAME
+from ..core.options import DEFAULT_BUFFER_SIZE, FORMATS, Options
+from ..core.plan import HF_MAX_SHARD_SIZE, Layout, Part, Problems, build_layout, parse_mapping
+from ..io.backends import open_output
+from ..io.formats import OutputFormat, output_format
+from ..io.outdir import OutputDir
+from ..io.outputs import OutputBackend
+from ..io.sources import SourceFiles
 from .exchange import ExchangeWriter
-from .formats import OutputFormat, output_format
-from .interrupts import deferred, forget_pending, raise_pending, raising_inside
-from .machine import check_buffer_size, check_names_fit, check_path_fits, host_name
-from .options import DEFAULT_BUFFER_SIZE, FORMATS, Options
-from .outdir import OutputDir
-from .outputs import OutputBackend, open_output
-from .parallel import Comm, agree, agree_arguments, agree_on, wait_for_all
-from .plan import HF_MAX_SHARD_SIZE, INDEX_NAME, Layout, Part, Problems, build_layout, parse_mapping
 from .progress import Progress
 from .replicas import check_replicas
 from .scan import Scanned, distribute, rank_directory, scan, select
-from .sources import SourceFiles
 from .stats import PhaseClock, Stats, reduce_stats
 from .writer import Writer
 
@@ -183,7 +185,7 @@ def consolidate(
             different node-local disk on each node: each file is read by ranks that see it.
         output_dir: where ``model-*.safetensors`` and ``model.safetensors.index.json`` go; created if
             missing. It may be the input's parent, never an input directory.
-        options: an :class:`~mpicons.options.Options`; keyword arguments (``split="files"``,
+        options: an :class:`~mpicons.core.options.Options`; keyword arguments (``split="files"``,
             ``buffer_size=...``, any field of it) change single fields.
         comm: the communicator (default ``MPI.COMM_WORLD``). Collective: every rank of it calls this
             with the same arguments; other ranks of the job are untouched.
@@ -191,8 +193,8 @@ def consolidate(
     The output directory is locked for the run; new files are written in a private staging
     directory and published as one transaction, so the directory holds either what it held before
     or the complete new checkpoint. Returns a :class:`ConsolidateResult` on every rank, or raises
-    :class:`~mpicons.errors.InputError` (bad checkpoint or options) or
-    :class:`~mpicons.errors.WriteError` (I/O failure, signal) on every rank alike.
+    :class:`~mpicons.core.errors.InputError` (bad checkpoint or options) or
+    :class:`~mpicons.core.errors.WriteError` (I/O failure, signal) on every rank alike.
     """
     comm = as_communicator(comm)
     options = (options or Options()).with_changes(**changes)

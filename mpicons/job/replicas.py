@@ -14,11 +14,11 @@ import hashlib
 
 import numpy as np
 
-from .errors import InputError
-from .parallel import Comm, agree
-from .plan import Layout, Part, Replicas, _element_region
+from ..comm.agreement import Comm, agree
+from ..core.errors import InputError
+from ..core.plan import Layout, Part, Replicas, _element_region
+from ..io.sources import SourceFiles
 from .scan import Scanned, exchange
-from .sources import SourceFiles
 
 _REQUEST = np.dtype([("row", "<i8"), ("owner", "<i4"), ("file", "<i4"), ("begin", "<i8"), ("nbytes", "<i8")])
 _REPLY = np.dtype([("row", "<i8"), ("digest", "u1", (32,))])
