@@ -19,14 +19,14 @@ from typing import Any, TypeVar
 import numpy as np
 
 from .comm import as_communicator
-from .consolidation import layout_of, load_mapping, scan_inputs
+from .consolidation import layout_of, load_mapping
 from .errors import InputError
 from .options import Options
 from .parallel import agree, agree_arguments, agree_on
 from .plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, natural_key
 from .reports import Problem, human_bytes, skipped_entries
 from .reports import count_of as _count
-from .scan import distribute
+from .scan import distribute, scan, select
 from .table import ShardFiles, missing_shards
 
 #: Width the table output is laid out for.
@@ -225,8 +225,12 @@ def inspect(
         raise InputError(f"ranks must be a positive integer (got {ranks!r})")
     options.check(comm.size)
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-    scanned = scan_inputs(input_dir, comm, options)
+    # Tensors with pieces the scan cannot read are listed as problems, each of them, not raised.
+    scanned = select(scan(input_dir, comm, listing=True), options.include, options.exclude, options.strip_prefix)
     problems = Problems(strict=False)
+    position = {name: t for t, name in enumerate(scanned.names)}
+    for name in sorted(scanned.unreadable):
+        problems.add(scanned.unreadable[name], position[name])
     layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, problems))
     file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
     comm.allreduce_array(file_pieces, "sum")
