@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .errors import InputError
-from .format import DTYPE_ORDER, DTYPES, MAX_DIM, MAX_HEADER_SIZE, MAX_NDIM, parse_header
+from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, MAX_DIM, MAX_HEADER_SIZE, MAX_NDIM, parse_header
 
 #: ``shard-RRRRR-model-IIIII-of-NNNNN.safetensors`` as torch's HuggingFaceStorageWriter names them.
 DCP_SHARD_NAME = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
@@ -289,6 +289,9 @@ def _fast(raw: bytes, size: int, dcp_name: bool) -> _Parsed | None:
     # Elements, through float64 first so that huge shapes cannot overflow silently.
     if ((shape + offset).astype(np.float64) >= MAX_DIM).any():
         return None
+    reach = np.prod((shape + offset).astype(np.float64), axis=1) * _BITS[np.array(dtypes, dtype=np.int64)] / 8
+    if len(shape) and (reach >= 2.0**62).any():
+        return None  # the full tensor may not be addressable: the strict path says so exactly
     if len(shape) and (np.cumprod(shape.astype(np.float64), axis=1) * 8 >= 2.0**62).any():
         return None  # the strict path multiplies exactly, left to right as the reference reader does
     dtype = np.array(dtypes, dtype=np.int8)
@@ -326,6 +329,14 @@ def _strict(path: str, raw: bytes, size: int, dcp_name: bool) -> _Parsed:
         if any(o + d >= MAX_DIM for o, d in zip(saved, entry.shape)):
             raise InputError(
                 f"{path}: tensor {entry.name!r}: saved_offsets {saved} with shape {list(entry.shape)} reach past 2**63 elements"
+            )
+        reach = DTYPE_BY_NAME[entry.dtype].bits
+        for o, d in zip(saved, entry.shape):
+            reach *= o + d
+        if reach >= MAX_DIM * 8:
+            raise InputError(
+                f"{path}: tensor {entry.name!r}: saved_offsets {saved} with shape {list(entry.shape)} make a tensor of "
+                "2**63 bytes or more (damaged header?)"
             )
         offsets.append(saved)
     if info is not None:
