@@ -478,7 +478,7 @@ def test_an_index_over_the_size_limit_is_not_read(tmp_path, monkeypatch):
 #: name → how the entry is planted in a consolidated directory, what verify must say, verify's extra options
 UNREADABLE = {
     "fifo-index": (lambda o: (os.unlink(o / INDEX), os.mkfifo(o / INDEX)), INDEX, "is a FIFO (named pipe)", []),
-    "fifo-lock": (lambda o: os.mkfifo(o / ".mpicons.lock"), ".mpicons.lock", "is a FIFO (named pipe)", []),
+    "fifo-lock": (lambda o: os.mkfifo(o / ".mpicons.lock"), ".mpicons.lock", "is a FIFO, not a lock mpicons made", []),
     "index-to-dev-zero": (
         lambda o: _replace_with_link(o / INDEX, "/dev/zero"),
         INDEX,
