@@ -497,7 +497,7 @@ def test_cli_ends_with_exit_2_naming_an_entry_it_will_not_read(case, tmp_path):
     plant(out)
     proc, _ = cli(2, "verify", out, "--against", EDGE, *options, timeout=60)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"{out / name}: {what}" in proc.stdout
+    assert f"{out / name}: " in proc.stdout and what in proc.stdout
     assert "1 entry not read (see above)" in proc.stdout.splitlines()[-1]
 
 
