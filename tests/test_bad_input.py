@@ -238,6 +238,13 @@ def offsets_past_file(inp: Path) -> Expect:
     return Expect(rf"tensor '{re.escape(victim)}': data_offsets .* run past the end of the file", str(inp / V2), reader=V2)
 
 
+def pieces_imply_a_tensor_past_2_to_the_62_bytes(inp: Path) -> Expect:
+    # each piece is fine alone; together their extents make a tensor too large to address
+    edit_info(inp / V1, lambda info: info[COLS]["saved_offsets"].__setitem__(0, 3 * 2**29))
+    edit_info(inp / V2, lambda info: info[COLS]["saved_offsets"].__setitem__(1, 3 * 2**29))
+    return Expect("hole: ", f"tensor '{COLS}'")
+
+
 def pieces_overlap(inp: Path) -> Expect:
     edit_info(inp / V1, lambda info: info[COLS]["saved_offsets"].__setitem__(1, 40))
     rows = read_st(inp / V1)[0][COLS]["shape"][0]
@@ -390,6 +397,7 @@ CASES = [
     info_offsets_wrong_length,
     piece_at_negative_offset,
     piece_beyond_int64,
+    pieces_imply_a_tensor_past_2_to_the_62_bytes,
     unknown_dtype,
     offsets_disagree_with_shape,
     offsets_overlap,

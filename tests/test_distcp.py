@@ -7,6 +7,7 @@ and compare every output byte with safetensors' serializer.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -454,17 +455,17 @@ def test_reading_archives_directly_agrees_with_zipfile(fixture: str, tmp_path: P
 _ITEM = {"relative_path": "__0_0.distcp", "offset": 0, "length": 1577}  # the transposed fixture's one item
 
 
-def _one_tensor_metadata(storage: dict[str, object], chunk: tuple[int, ...] = (0, 0)) -> bytes:
+def _one_tensor_metadata(storage: dict[str, object], chunk: tuple[int, ...] = (0, 0), size: tuple[int, ...] = (4, 3)) -> bytes:
     """DCP metadata for the ``transposed`` fixture's one tensor, with ``storage`` in its _StorageInfo."""
-    module = "torch.distributed.checkpoint.metadata"
+    module, full = "torch.distributed.checkpoint.metadata", size
 
-    def size(dims: tuple[int, ...]) -> Call:
+    def Size(dims: tuple[int, ...]) -> Call:  # noqa: N802
         return Call(Global("torch", "Size"), (dims,))
 
     properties = Obj(Global(module, "TensorProperties"), (Global("torch", "float32"), "torch.strided", False, 0, False))
-    box = Obj(Global(module, "ChunkStorageMetadata"), {"offsets": size(chunk), "sizes": size((4, 3))})
-    tensor = Obj(Global(module, "TensorStorageMetadata"), {"properties": properties, "size": size((4, 3)), "chunks": [box]})
-    key = Obj(Global(module, "MetadataIndex"), {"fqn": "weight", "offset": size((0, 0)), "index": 0})
+    box = Obj(Global(module, "ChunkStorageMetadata"), {"offsets": Size(chunk), "sizes": Size((4, 3))})
+    tensor = Obj(Global(module, "TensorStorageMetadata"), {"properties": properties, "size": Size(full), "chunks": [box]})
+    key = Obj(Global(module, "MetadataIndex"), {"fqn": "weight", "offset": Size((0, 0)), "index": 0})
     info = Obj(Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"), storage)
     return dumps(Obj(Global(module, "Metadata"), {"state_dict_metadata": {"weight": tensor}, "storage_data": {key: info}}))
 
@@ -498,3 +499,293 @@ def test_the_metadata_written_here_is_read_the_same_with_properties_as_a_tuple(t
     (checkpoint / ".metadata").write_bytes(_one_tensor_metadata({"relative_path": "__0_0.distcp", "offset": 0, "length": 1577}))
     with pytest.raises(InputError, match="not row-major"):
         mpicons.consolidate(checkpoint, tmp_path / "out", comm=MPI.COMM_SELF)
+
+
+# ---------------------------------------------------------------- item extents agree with the archive's records
+
+
+def _patch_member_size(blob: bytes, name: bytes, size: int, local_too: bool) -> bytes:
+    """``blob`` (a zip archive) with member ``name``'s recorded size set to ``size`` in its central
+    directory (and its local header): records that claim more bytes than the member holds."""
+    data = bytearray(blob)
+    at = 0
+    while True:
+        at = data.index(b"PK\x01\x02", at)
+        names = struct.unpack_from("<H", data, at + 28)[0]
+        if data[at + 46 : at + 46 + names] == name:
+            struct.pack_into("<LL", data, at + 20, size, size)
+            local = struct.unpack_from("<L", data, at + 42)[0]
+            if local_too:
+                struct.pack_into("<LL", data, local + 18, size, size)
+            return bytes(data)
+        at += 46
+
+
+@pytest.mark.parametrize("local_too", [False, True], ids=["central directory only", "local header too"])
+@pytest.mark.parametrize("fast", [True, False], ids=["direct", "zipfile"])
+def test_a_storage_record_longer_than_its_member_is_refused(tmp_path: Path, local_too: bool, fast: bool) -> None:
+    """The storage's records claim 112 bytes, the member holds 48: reading 112 would publish the next
+    member's header inside the tensor."""
+    checkpoint = copy_fixture("transposed", tmp_path)
+    values = struct.pack("<12f", *range(12))
+    members = {"archive/data.pkl": _data_pkl("FloatStorage", 0, (4, 3), (3, 1), numel=28), "archive/data/0": values}
+    _replace_item(checkpoint, {**members, "archive/version": b"3\n"})
+    data_file = checkpoint / "__0_0.distcp"
+    data_file.write_bytes(_patch_member_size(data_file.read_bytes(), b"archive/data/0", 112, local_too))
+    (item,) = _items_by_file(checkpoint)["__0_0.distcp"]
+    with pytest.raises(InputError) as error:
+        locate(str(data_file), [item], fast=fast)
+    message = str(error.value)
+    assert "__0_0.distcp" in message and "'weight'" in message, message
+    assert ("runs into the next record" if local_too else "records of archive/data/0 disagree") in message, message
+
+
+def test_an_overlapping_storage_is_refused_by_consolidate(tmp_path: Path) -> None:
+    checkpoint = copy_fixture("transposed", tmp_path)
+    values = struct.pack("<12f", *range(12))
+    members = {"archive/data.pkl": _data_pkl("FloatStorage", 0, (4, 3), (3, 1), numel=28), "archive/data/0": values}
+    _replace_item(checkpoint, {**members, "archive/version": b"3\n"})
+    data_file = checkpoint / "__0_0.distcp"
+    data_file.write_bytes(_patch_member_size(data_file.read_bytes(), b"archive/data/0", 112, True))
+    with pytest.raises(InputError, match="runs into the next record"):
+        mpicons.consolidate(checkpoint, tmp_path / "out", comm=MPI.COMM_SELF)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_a_blob_piece_whose_recorded_length_differs_is_refused() -> None:
+    checkpoint = DISTCP_FIXTURES / SAFETENSORS / "dcp"
+    name, items = next(iter(_items_by_file(checkpoint).items()))
+    wrong = [dataclasses.replace(items[0], item_length=items[0].item_length + 64), *items[1:]]
+    with pytest.raises(InputError, match="the metadata records"):
+        locate(str(checkpoint / name), wrong)
+
+
+# ---------------------------------------------------------------- bounded, poison-free unpicklers
+
+
+def _deep_key(depth: int) -> bytes:
+    """A dict whose key is a tuple nested ``depth`` deep: hashing it recurses once per level."""
+    return b"\x80\x04}K\x01" + b"\x85" * depth + b"K\x02s."
+
+
+def _amplifying_path(copies: int, length: int) -> bytes:
+    """``PosixPath(s, s, ..., s)`` of one memoized ``length``-character string: a small file, a huge value."""
+    return (
+        b"\x80\x04\x8c\x07pathlib\x8c\x09PosixPath\x93\x94X"
+        + struct.pack("<I", length)
+        + b"x" * length
+        + b"\x940("
+        + b"h\x01" * copies
+        + b"tR."
+    )
+
+
+def _build_on(module: str, name: str, state: bytes = b"}X\x04\x00\x00\x00nameX\x03\x00\x00\x00F16s") -> bytes:
+    """BUILD (set state) applied to the global ``module.name`` itself."""
+    return b"\x80\x02c" + f"{module}\n{name}\n".encode() + state + b"b."
+
+
+def _hostile_metadata(case: str) -> bytes:
+    storage = {"relative_path": "__0_0.distcp", "offset": 0, "length": 1577}
+    if case == "memo index 2**27":
+        return b"\x80\x02K\x01r" + struct.pack("<I", 1 << 27) + b"."
+    if case == "memo index by PUT":
+        return b"\x80\x02K\x01p4000000000\n."
+    if case == "tuple key nested 200,000 deep":
+        return _deep_key(200_000)
+    if case == "a path far larger than the file":
+        return _amplifying_path(200, 100_000)
+    if case == "a size nested 40 deep":
+        nested: object = 1
+        for _ in range(40):
+            nested = (nested,)
+        return _one_tensor_metadata(storage, size=(nested, 3))  # type: ignore[arg-type]
+    if case == "offset 2**63":
+        return _one_tensor_metadata({**storage, "offset": 1 << 63})
+    if case == "length 2**64":
+        return _one_tensor_metadata({**storage, "length": 1 << 64})
+    if case == "BUILD on a dtype":
+        return _build_on("torch", "float32")
+    if case == "BUILD with slot state on a stand-in function":
+        return _build_on("torch", "Size", b"N}X\x0c\x00\x00\x00__defaults__K\x01\x85\x85s\x86")
+    if case == "a lone surrogate in a name":
+        return _one_tensor_metadata(storage).replace(b"X\x06\x00\x00\x00weight", b"X\x06\x00\x00\x00wei\xed\xa0\x80")
+    if case == "2**80 elements":
+        return _one_tensor_metadata(storage, size=(1 << 40, 1 << 40))
+    raise AssertionError(case)
+
+
+_HOSTILE_METADATA = {
+    "memo index 2**27": "memo entry 134217728",
+    "memo index by PUT": "memo entry 4000000000",
+    "tuple key nested 200,000 deep": "nests values more than 64 deep",
+    "a path far larger than the file": "far larger than the file",
+    "a size nested 40 deep": "size",
+    "offset 2**63": "below 2**63",
+    "length 2**64": "below 2**63",
+    "BUILD on a dtype": "sets state",
+    "BUILD with slot state on a stand-in function": "sets state",
+    "a lone surrogate in a name": "lone surrogate",
+    "2**80 elements": "2**63 bytes or more",
+}
+
+
+@pytest.mark.parametrize("case", list(_HOSTILE_METADATA))
+def test_metadata_past_the_reader_bounds_is_bad_input(tmp_path: Path, case: str) -> None:
+    checkpoint = copy_fixture("transposed", tmp_path)
+    (checkpoint / ".metadata").write_bytes(_hostile_metadata(case))
+    with pytest.raises(InputError) as error:
+        read_metadata(str(checkpoint / ".metadata"))
+    assert str(checkpoint / ".metadata") in str(error.value) and _HOSTILE_METADATA[case] in str(error.value), str(error.value)
+
+
+@pytest.mark.parametrize(
+    "case, command",
+    [
+        ("memo index 2**27", "consolidate"),
+        ("tuple key nested 200,000 deep", "consolidate"),
+        ("BUILD on a dtype", "consolidate"),
+        ("a lone surrogate in a name", "consolidate"),
+        pytest.param("offset 2**63", "consolidate", marks=pytest.mark.slow),
+        ("2**80 elements", "inspect"),
+    ],
+)
+def test_the_command_line_says_one_line_and_exits_2_past_a_bound(tmp_path: Path, case: str, command: str) -> None:
+    checkpoint = copy_fixture("transposed", tmp_path)
+    (checkpoint / ".metadata").write_bytes(_hostile_metadata(case))
+    args = [command, checkpoint] if command == "inspect" else [command, checkpoint, tmp_path / "out"]
+    proc, _ = cli(1, *args)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("mpicons: error:") == 1, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and ".metadata" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "data_pkl, phrase",
+    [
+        (b"\x80\x02K\x01r" + struct.pack("<I", 1 << 27) + b".", "memo entry"),
+        (_deep_key(1000), "nests values"),
+        (_build_on("torch", "FloatStorage", b"}X\x05\x00\x00\x00dtypeX\x03\x00\x00\x00F16s"), "sets state"),
+        (_build_on("torch._utils", "_rebuild_tensor_v2"), "sets state"),
+    ],
+    ids=["memo index", "deep key", "BUILD on a storage class", "BUILD on a function"],
+)
+def test_a_hostile_data_pkl_is_bounded(tmp_path: Path, data_pkl: bytes, phrase: str) -> None:
+    checkpoint = copy_fixture("transposed", tmp_path)
+    _replace_item(checkpoint, {"archive/data.pkl": data_pkl, "archive/data/0": struct.pack("<12f", *range(12))})
+    with pytest.raises(InputError, match=phrase):
+        mpicons.consolidate(checkpoint, tmp_path / "out", comm=MPI.COMM_SELF)
+
+
+def test_a_hostile_checkpoint_changes_nothing_for_the_next_one(tmp_path: Path) -> None:
+    """In one process: archives that try to set state on every stand-in either unpickler hands out,
+    then well-formed checkpoints, which must read as if nothing had come before."""
+    from mpicons import distcp
+
+    hostile = copy_fixture("transposed", tmp_path / "hostile")
+    values = struct.pack("<12f", *range(12))
+    names = [
+        *distcp._TENSOR_FUNCTIONS,
+        *distcp._STORAGE_TYPES,
+        *distcp._METADATA_FUNCTIONS,
+        *distcp._RECORDS,
+        ("torch", "bfloat16"),
+    ]
+    states = [b"}X\x05\x00\x00\x00dtypeX\x03\x00\x00\x00F16s", b"N}X\x05\x00\x00\x00dtypeX\x03\x00\x00\x00F16s\x86"]
+    for module, name in names:
+        for state in states:
+            _replace_item(hostile, {"archive/data.pkl": _build_on(module, name, state), "archive/data/0": values})
+            with pytest.raises(InputError):
+                mpicons.consolidate(hostile, tmp_path / "refused", comm=MPI.COMM_SELF)
+            (hostile / ".metadata").write_bytes(_build_on(module, name, state))
+            with pytest.raises(InputError):
+                read_metadata(str(hostile / ".metadata"))
+            shutil.copy(DISTCP_FIXTURES / "transposed" / "dcp" / ".metadata", hostile / ".metadata")
+    for fixture in (TORCH_SAVE, "fsdp-3ranks"):
+        out = tmp_path / f"out-{fixture}"
+        mpicons.consolidate(copy_fixture(fixture, tmp_path), out, comm=MPI.COMM_SELF)
+        assert load_tensors(out / "model.safetensors") == expected(fixture)
+
+
+def test_the_opcode_check_passes_what_torch_and_the_sample_write(tmp_path: Path) -> None:
+    """Control for the bounds: every pickle of the fixtures and of the sample is read."""
+    from mpicons import distcp
+
+    write_sample(tmp_path / "sample", SampleConfig(layers=1, hidden=16, intermediate=40, vocab=50), distcp="torch_save")
+    directories = [DISTCP_FIXTURES / name / "dcp" for name in DISTCP_NAMES] + [tmp_path / "sample"]
+    for directory in directories:
+        distcp._check_opcodes((directory / ".metadata").read_bytes())
+        for items in _items_by_file(directory).values():
+            assert items
+
+
+# ---------------------------------------------------------------- layouts not read yet: named, with what to do
+
+
+def _strided_checkpoint(tmp_path: Path, strided: list[str], good: list[str]) -> Path:
+    """Tensors [4, 3] of F32, one data file each: ``strided`` ones saved transposed, ``good`` row-major."""
+    module = "torch.distributed.checkpoint.metadata"
+    checkpoint = tmp_path / "strided"
+    checkpoint.mkdir()
+    source = DISTCP_FIXTURES / "transposed" / "dcp" / "__0_0.distcp"
+    length = source.stat().st_size
+
+    def size(dims: tuple[int, ...]) -> Call:
+        return Call(Global("torch", "Size"), (dims,))
+
+    entries, storage = {}, {}
+    for rank, name in enumerate(strided + good):
+        data_file = f"__{rank}_0.distcp"
+        shutil.copy(source, checkpoint / data_file)
+        (checkpoint / data_file).chmod(0o644)
+        properties = Obj(Global(module, "TensorProperties"), (Global("torch", "float32"), "torch.strided", False, 0, False))
+        box = Obj(Global(module, "ChunkStorageMetadata"), {"offsets": size((0, 0)), "sizes": size((4, 3))})
+        entries[name] = Obj(
+            Global(module, "TensorStorageMetadata"), {"properties": properties, "size": size((4, 3)), "chunks": [box]}
+        )
+        key = Obj(Global(module, "MetadataIndex"), {"fqn": name, "offset": size((0, 0)), "index": 0})
+        where = {"relative_path": data_file, "offset": 0, "length": length}
+        storage[key] = Obj(Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"), where)
+    (checkpoint / ".metadata").write_bytes(
+        dumps(Obj(Global(module, "Metadata"), {"state_dict_metadata": entries, "storage_data": storage}))
+    )
+    for rank, _ in enumerate(good, start=len(strided)):
+        one = tmp_path / f"good-{rank}"
+        one.mkdir()
+        shutil.copy(checkpoint / f"__{rank}_0.distcp", one / "__0_0.distcp")
+        members = {
+            "archive/data.pkl": _data_pkl("FloatStorage", 0, (4, 3), (3, 1)),
+            "archive/data/0": struct.pack("<12f", *range(12)),
+        }
+        _replace_item(one, members)
+        shutil.copy(one / "__0_0.distcp", checkpoint / f"__{rank}_0.distcp")
+    return checkpoint
+
+
+def test_inspect_lists_every_strided_tensor_and_what_to_do(tmp_path: Path) -> None:
+    checkpoint = _strided_checkpoint(tmp_path, ["a.weight", "b.weight", "c.weight"], ["d.weight"])
+    report = mpicons.inspect(checkpoint, comm=MPI.COMM_SELF)
+    assert not report.ok
+    assert sorted(p.tensor for p in report.problems) == ["a.weight", "b.weight", "c.weight"]
+    for problem in report.problems:
+        assert "strides [1, 4]" in problem.what and f"--exclude {problem.tensor}" in problem.what, problem.what
+        assert "cannot read this layout yet" in problem.what and "__" in problem.what, problem.what
+    assert {t.name: t.status for t in report.tensors}["d.weight"] == "ok"
+
+
+def test_consolidate_names_every_strided_tensor_and_exclude_leaves_them_out(tmp_path: Path) -> None:
+    checkpoint = _strided_checkpoint(tmp_path, ["a.weight", "b.weight"], ["d.weight"])
+    with pytest.raises(InputError) as error:
+        mpicons.consolidate(checkpoint, tmp_path / "out", comm=MPI.COMM_SELF)
+    message = str(error.value)
+    assert "'a.weight'" in message and "'b.weight'" in message and "--exclude a.weight" in message, message
+    out = tmp_path / "kept"
+    mpicons.consolidate(checkpoint, out, comm=MPI.COMM_SELF, exclude=["a.weight", "b.weight"])
+    assert load_tensors(out / "model.safetensors") == {"d.weight": ("F32", [4, 3], struct.pack("<12f", *range(12)))}
+
+
+def test_the_command_line_lists_the_strided_tensors_in_one_line(tmp_path: Path) -> None:
+    checkpoint = _strided_checkpoint(tmp_path, ["a.weight", "b.weight"], [])
+    proc, _ = cli(1, "consolidate", checkpoint, tmp_path / "out")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "--exclude" in proc.stderr and "b.weight" in proc.stderr, proc.stderr

@@ -197,3 +197,172 @@ def test_any_file_reads_or_fails_cleanly(scratch, blob):
     spans = sorted((e.begin, e.end) for e in header.tensors)
     assert [b for b, _ in spans] == [0] + [e for _, e in spans[:-1]]  # contiguous from 0
     assert header.data_start + (spans[-1][1] if spans else 0) == len(blob)
+
+
+# ---------------------------------------------------------------- accepted exactly when the reference reader accepts
+
+
+def _reference_accepts(path) -> bool:
+    """Whether safetensors' own reader opens the file (it validates the whole header on open)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy"):
+            return True
+    except Exception:  # the reference reader's errors have no common class
+        return False
+
+
+def _mpicons_accepts(path) -> bool:
+    """Whether both of mpicons' header readers accept the file; they must agree with each other."""
+    from mpicons.core.table import read_file
+
+    verdicts = []
+    for read in (lambda: read_header(path), lambda: read_file(str(path), "plain.safetensors")):
+        try:
+            read()
+            verdicts.append(True)
+        except InputError:
+            verdicts.append(False)
+    assert verdicts[0] == verdicts[1], f"the strict and the fast header readers disagree on {path.read_bytes()[:200]!r}"
+    return verdicts[0]
+
+
+def _forbidden_by_the_format(header: bytes) -> bool:
+    """What the format forbids and the reference reader lets through: a header not starting with
+    ``{`` (it accepts leading whitespace) and a name or key given twice (it keeps the last)."""
+    if not header.startswith(b"{"):
+        return True
+
+    def unique(pairs):
+        if len({k for k, _ in pairs}) != len(pairs):
+            raise KeyError("twice")
+        return dict(pairs)
+
+    try:
+        json.loads(header.decode("utf-8"), object_pairs_hook=unique)
+    except KeyError:
+        return True
+    except ValueError:
+        return False
+    return False
+
+
+def _agrees(tmp_path, header: bytes, data: bytes) -> None:
+    path = tmp_path / "file.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + data)
+    reference, ours = _reference_accepts(path), _mpicons_accepts(path)
+    if reference and not ours:
+        assert _forbidden_by_the_format(header), f"mpicons refuses what safetensors reads: {header[:300]!r}"
+    else:
+        assert ours == reference, f"mpicons {'accepts' if ours else 'refuses'}, safetensors does not: {header[:300]!r}"
+
+
+_ENTRY = b'"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+
+
+def _with_field(value: bytes) -> bytes:
+    return b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + value + b"}}"
+
+
+CRAFTED = {
+    "plain": b"{" + _ENTRY + b"}",
+    "byte-order mark": b"\xef\xbb\xbf{" + _ENTRY + b"}",
+    "leading space": b" {" + _ENTRY + b"}",
+    "leading newline": b"\n{" + _ENTRY + b"}",
+    "trailing spaces": b"{" + _ENTRY + b"}    ",
+    "trailing tab and newline": b"{" + _ENTRY + b"}\t\n\r",
+    "trailing NUL": b"{" + _ENTRY + b"}\0",
+    "trailing garbage": b"{" + _ENTRY + b"}x",
+    "trailing no-break space": b"{" + _ENTRY + b"}\xc2\xa0",
+    "a name twice": b"{" + _ENTRY + b"," + _ENTRY + b"}",
+    "a name twice, first not an entry": b'{"a":5,' + _ENTRY + b"}",
+    "a name twice, last not an entry": b"{" + _ENTRY + b',"a":5}',
+    "__metadata__ twice": b'{"__metadata__":{"x":"1"},"__metadata__":{"y":"2"},' + _ENTRY + b"}",
+    "a metadata key twice": b'{"__metadata__":{"x":"1","x":"2"},' + _ENTRY + b"}",
+    "a field twice": b'{"a":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    "null metadata": b'{"__metadata__":null,' + _ENTRY + b"}",
+    "metadata last": b"{" + _ENTRY + b',"__metadata__":{"a":"b"}}',
+    "an integer in metadata": b'{"__metadata__":{"x":1},' + _ENTRY + b"}",
+    "an extra field": _with_field(b"1"),
+    "an extra field nested 125 deep": _with_field(b"[" * 125 + b"]" * 125),
+    "an extra field nested 126 deep": _with_field(b"[" * 126 + b"]" * 126),
+    "an extra field nested 200 deep": _with_field(b"[" * 200 + b"]" * 200),
+    "NaN in an extra field": _with_field(b"NaN"),
+    "Infinity in an extra field": _with_field(b"Infinity"),
+    "1e400 in an extra field": _with_field(b"1e400"),
+    "1e308 in an extra field": _with_field(b"1e308"),
+    "a 310-digit integer in an extra field": _with_field(b"1" + b"0" * 309),
+    "a 309-digit integer in an extra field": _with_field(b"1" + b"0" * 308),
+    "-0 in an extra field": _with_field(b"-0"),
+    "a surrogate pair escape": _with_field(b'"\\ud83d\\ude00"'),
+    "a lone surrogate escape in a field": _with_field(b'"\\udc00"'),
+    "a lone surrogate escape in a name": b'{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    "a lone surrogate escape in metadata": b'{"__metadata__":{"k":"\\ud800"},' + _ENTRY + b"}",
+    "an encoded surrogate in a name": b'{"\xed\xa0\x80":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    "invalid UTF-8": b'{"\xff":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    "UTF-16": ("{" + _ENTRY.decode() + "}").encode("utf-16-le"),
+    "a control character in a name": b'{"a\x01":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    "an escaped name": b'{"\\u0061":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
+    "an escaped dtype": b'{"a":{"dtype":"F\\u0033\\u0032","shape":[1],"data_offsets":[0,4]}}',
+    "-0 as an offset": b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[-0,4]}}',
+    "a float in a shape": b'{"a":{"dtype":"F32","shape":[1.0],"data_offsets":[0,4]}}',
+    "an exponent in a shape": b'{"a":{"dtype":"F32","shape":[1e0],"data_offsets":[0,4]}}',
+    "a shape of 2**64": b'{"a":{"dtype":"F32","shape":[18446744073709551616],"data_offsets":[0,4]}}',
+    "three offsets": b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4,5]}}',
+    "no shape": b'{"a":{"dtype":"F32","data_offsets":[0,4]}}',
+    "a JSON array": b"[]",
+    "spaces around colons": b'{"a" : {"dtype" : "F32", "shape" : [1], "data_offsets" : [0, 4]}}',
+}
+
+
+def _shaped(dtype: str, shape: list[int], end: int = 0) -> bytes:
+    return json.dumps({"a": {"dtype": dtype, "shape": shape, "data_offsets": [0, end]}}, separators=(",", ":")).encode()
+
+
+SHAPES = {
+    "elements overflow before a 0": _shaped("U8", [2**62, 2**62, 0]),
+    "a 0 before huge dimensions": _shaped("U8", [0, 2**62, 2**62]),
+    "bits overflow": _shaped("F64", [2**62]),
+    "bits of a 0-element tensor": _shaped("F64", [2**62, 0]),
+    "half a byte of F4": _shaped("F4", [3], 2),
+    "empty": b"{}",
+}
+
+
+@pytest.mark.parametrize("case", list(CRAFTED))
+def test_a_header_is_accepted_exactly_when_the_reference_reader_accepts_it(tmp_path, case):
+    _agrees(tmp_path, CRAFTED[case], b"\0" * 4)
+
+
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_shapes_overflow_where_the_reference_reader_overflows(tmp_path, case):
+    _agrees(tmp_path, SHAPES[case], b"\0\0" if case == "half a byte of F4" else b"")
+
+
+def test_a_byte_order_mark_is_refused_with_a_clear_message(tmp_path):
+    path = tmp_path / "bom.safetensors"
+    header = CRAFTED["byte-order mark"]
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    with pytest.raises(InputError, match="starting with '{'"):
+        read_header(path)
+
+
+_TOKENS = [
+    *(b" ", b"\n", b"\t", b",", b":", b"{", b"}", b"[", b"]", b'"', b"\\", b"\\u", b"\\ud800", b"-", b"-0", b"0", b"1"),
+    *(b"e5", b".5", b"NaN", b"null", b"true", b'"a"', b'"a":', b'"x":1,', b"\xef\xbb\xbf", b"\xed\xa0\x80", b"\xff", b"\0"),
+]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tensor_sets(), st.lists(st.tuples(st.integers(0, 400), st.sampled_from(_TOKENS), st.booleans()), min_size=1, max_size=3))
+@pytest.mark.slow
+def test_edited_headers_are_accepted_exactly_when_the_reference_reader_accepts_them(tmp_path, tensors, edits):
+    """Valid headers with JSON tokens inserted or overwritten anywhere: mpicons and safetensors agree."""
+    blob = reference_bytes(tensors)
+    (length,) = struct.unpack("<Q", blob[:8])
+    header, data = bytearray(blob[8 : 8 + length]), blob[8 + length :]
+    for position, token, overwrite in edits:
+        at = position % (len(header) + 1)
+        header[at : at + (len(token) if overwrite else 0)] = token
+    _agrees(tmp_path, bytes(header), data)

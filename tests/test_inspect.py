@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import FIXTURE_NAMES, FIXTURES, fixture_expected, index_weight_map, mpirun, reference_bytes, run_python
+from helpers import FIXTURE_NAMES, FIXTURES, cli, fixture_expected, index_weight_map, mpirun, reference_bytes, run_python
 from mpi4py import MPI
 
 import mpicons
@@ -264,3 +264,18 @@ def test_cli_without_a_launcher(tmp_path):
     assert all(len(line) <= 100 for line in proc.stdout.splitlines())
     assert "... and 24 more tensors" in proc.stdout
     assert list(tmp_path.iterdir()) == []  # nothing written in the working directory
+
+
+def test_cli_a_shard_reaching_past_2_to_the_63_bytes_is_one_line_exit_2(tmp_path):
+    """One F32 piece at offsets [2**40, 2**40]: its full tensor would be 2**82 bytes."""
+    sharding = json.dumps({"w": {"saved_offsets": [2**40, 2**40]}})
+    header = json.dumps(
+        {
+            "__metadata__": {"format": "pt", "DCP_SHARDING_INFO": sharding},
+            "w": {"dtype": "F32", "shape": [1, 1], "data_offsets": [0, 4]},
+        }
+    ).encode()
+    (tmp_path / "shard-00001-model-00001-of-00001.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    proc, _ = cli(1, "inspect", tmp_path)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "2**63 bytes or more" in proc.stderr, proc.stderr

@@ -8,6 +8,7 @@ tensors sorted by dtype (largest alignment first) then name, compact JSON with
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from collections.abc import Mapping, Sequence
@@ -19,6 +20,8 @@ from .errors import InputError
 MAX_HEADER_SIZE = 100_000_000
 #: Shapes and offsets are held in int64 columns: dimensions must stay below this.
 MAX_DIM = 1 << 63
+#: Dimensions of one tensor mpicons holds (numpy's limit; shapes are assembled with numpy).
+MAX_NDIM = 64
 
 
 @dataclass(frozen=True)
@@ -108,26 +111,100 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
     return result
 
 
+def _short(value: object) -> str:
+    """A header value for a message, cut short (it can be as long as the header)."""
+    text = repr(value) if not isinstance(value, (list, dict)) or len(value) < 16 else f"a {type(value).__name__} of {len(value)}"
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 def _bad(path: str, what: str) -> InputError:
     return InputError(f"{path}: {what}")
+
+
+#: serde_json, which the reference reader parses with, refuses 128 or more nested arrays and objects.
+MAX_JSON_DEPTH = 127
+#: The reference reader computes element and bit counts in 64-bit unsigned integers.
+_U64 = 1 << 64
+
+
+class _NotJson(Exception):
+    """A value Python's json module accepts but JSON (and the reference reader) does not."""
+
+
+def _refuse_constant(name: str) -> object:
+    raise _NotJson(f"{name} is not JSON")
+
+
+def _json_int(text: str) -> object:
+    # ``-0`` is an integer to Python; the reference reader's unsigned fields refuse it.
+    return -0.0 if text == "-0" else int(text)
+
+
+def _check_ignored(value: object, depth: int, path: str, name: str) -> None:
+    """A field the reader ignores must still be what the reference reader parses: finite numbers,
+    valid Unicode, nesting within serde_json's limit."""
+    if depth > MAX_JSON_DEPTH:
+        raise _bad(path, f"tensor {name!r}: header nests more than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _bad(path, f"tensor {name!r}: header holds a number out of range")
+    if type(value) is int and value.bit_length() > 1023 and not _float_range(value):
+        raise _bad(path, f"tensor {name!r}: header holds a number out of range")
+    if isinstance(value, str):
+        _check_text(value, path)
+    elif isinstance(value, list):
+        for item in value:
+            _check_ignored(item, depth + 1, path, name)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path)
+            _check_ignored(item, depth + 1, path, name)
+
+
+def _float_range(value: int) -> bool:
+    """Whether a 64-bit float holds ``value`` (serde_json reads integers past 64 bits as floats)."""
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
+
+
+def _check_text(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise _bad(path, f"header holds {text!r}, which is not valid Unicode (a lone surrogate escape)") from None
 
 
 def parse_header(raw: bytes, file_size: int, path: str = "<bytes>") -> Header:
     """Parse and validate the JSON header ``raw`` of a file of ``file_size`` bytes.
 
-    Applies the reference reader's rules: UTF-8 JSON object, known dtypes, byte lengths
-    that match shape × dtype, offsets contiguous from 0 and ending exactly at the file's end.
+    Accepts what the format and its reference reader both accept (docs/distcp-format.md says how):
+    UTF-8 JSON starting with ``{``, no name twice, known dtypes, byte lengths that match shape × dtype,
+    offsets contiguous from 0 and ending exactly at the file's end.
     """
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+        text = raw.decode("utf-8")
+        if raw[:1] != b"{":
+            raise _bad(
+                path, f"header is not a JSON object starting with '{{' as the safetensors format requires ({raw[:4]!r}...)"
+            )
+        obj = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_refuse_constant, parse_int=_json_int)
     except UnicodeDecodeError as exc:
         raise _bad(path, f"header is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    except (ValueError, RecursionError) as exc:  # ValueError also covers ints past Python's digit limit
+    except (ValueError, RecursionError, _NotJson) as exc:  # ValueError also covers ints past Python's digit limit
         raise _bad(path, f"header is not valid JSON ({exc})") from None
     except _DuplicateKey as exc:
-        raise _bad(path, f"header names {exc.args[0]!r} twice") from None
+        raise _bad(path, f"header names {exc.args[0]!r} twice (the safetensors format forbids it)") from None
     if not isinstance(obj, dict):
         raise _bad(path, "header is not a JSON object")
+    if "\\u" in text:  # only an escape can make a lone surrogate
+        for key, value in obj.items():
+            _check_text(key, path)
+            for field, item in value.items() if isinstance(value, dict) else ():
+                _check_text(field, path)
+                if isinstance(item, str):
+                    _check_text(item, path)
     metadata = obj.pop("__metadata__", None)
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -160,17 +237,29 @@ def _parse_entry(path: str, name: str, info: object) -> TensorEntry:
     if not isinstance(info, dict):
         raise _bad(path, f"tensor {name!r}: entry is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in DTYPE_BY_NAME:
-        raise _bad(path, f"tensor {name!r}: unknown dtype {dtype!r}")
+    for field, value in info.items():
+        if field not in ("dtype", "shape", "data_offsets"):
+            _check_ignored(value, 3, path, name)
+    if type(dtype) is not str or dtype not in DTYPE_BY_NAME:
+        raise _bad(path, f"tensor {name!r}: unknown dtype {_short(dtype)}")
     if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape):
-        raise _bad(path, f"tensor {name!r}: shape {shape!r} is not a list of non-negative 64-bit integers")
+        raise _bad(path, f"tensor {name!r}: shape {_short(shape)} is not a list of non-negative 64-bit integers")
+    if len(shape) > MAX_NDIM:
+        raise _bad(path, f"tensor {name!r}: {len(shape)} dimensions (mpicons handles at most {MAX_NDIM}, numpy's limit)")
+    elements = 1
+    for dim in shape:  # as the reference reader multiplies: left to right, in 64 bits
+        elements *= dim
+        if elements >= _U64:
+            raise _bad(path, f"tensor {name!r}: shape {shape} overflows 64 bits")
+    if elements * DTYPE_BY_NAME[dtype].bits >= _U64:
+        raise _bad(path, f"tensor {name!r}: shape {shape} of {dtype} overflows 64 bits")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(type(o) is int and o >= 0 for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise _bad(path, f"tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+        raise _bad(path, f"tensor {name!r}: data_offsets {_short(offsets)} is not [begin, end]")
     expected = nbytes_of(dtype, shape)
     if expected is None:
         raise _bad(path, f"tensor {name!r}: shape {shape} of {dtype} is not a whole number of bytes")

@@ -428,12 +428,14 @@ def tensor_table(files: ShardFiles, names: list[str], facts: TensorFacts, proble
             problems.add(f"tensor {name!r} (shape {list(shape)}): a piece reaches past its shape, to {reach}", t)
         elif facts.misaligned[t]:
             problems.add(f"tensor {name!r}: {kind.name} pieces are not cut on byte boundaries of the last dimension", t)
-        elif math.prod(float(x) for x in storage) >= 2.0**62:
-            problems.add(
-                f"tensor {name!r} (shape {list(tensors[t].shape)}): hole: pieces cover {int(facts.volume[t])} "
-                f"of {count_of(math.prod(tensors[t].shape), 'element')}",
-                t,
+        elif math.prod(int(x) for x in storage) * unit >= 2**62:
+            elements = math.prod(tensors[t].shape)
+            what = (
+                f"hole: pieces cover {int(facts.volume[t])} of {count_of(elements, 'element')}"
+                if int(facts.volume[t]) < math.prod(int(x) for x in storage)
+                else f"{count_of(elements, 'element')}, more bytes than mpicons can address (2**62)"
             )
+            problems.add(f"tensor {name!r} (shape {list(tensors[t].shape)}): {what}", t)
     return tensors
 
 

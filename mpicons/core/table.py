@@ -19,13 +19,15 @@ from dataclasses import dataclass, fields
 import numpy as np
 
 from .errors import InputError
-from .format import DTYPE_ORDER, DTYPES, MAX_DIM, MAX_HEADER_SIZE, parse_header
+from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, MAX_DIM, MAX_HEADER_SIZE, MAX_NDIM, parse_header
 
 #: ``shard-RRRRR-model-IIIII-of-NNNNN.safetensors`` as torch's HuggingFaceStorageWriter names them.
 DCP_SHARD_NAME = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
 SHARDING_KEY = "DCP_SHARDING_INFO"
 #: Largest training rank, file index or file count a shard name may carry (stored as int32).
 MAX_SHARD_NUMBER = 2**31 - 1
+#: ``-0`` in a list: an integer to Python, refused by the reference reader's unsigned fields.
+_MINUS_ZERO = re.compile(rb"[\[,][ \t\n\r]*-0")
 _BITS = np.array([d.bits for d in DTYPES], dtype=np.int64)
 
 
@@ -222,19 +224,27 @@ def _fast(raw: bytes, size: int, dcp_name: bool) -> _Parsed | None:
     One ``json.loads`` per header (and one for DCP_SHARDING_INFO), then list comprehensions and
     numpy; types are checked with ``set(map(type, ...))`` so a bool or float never passes for an int.
     """
+    # What Python's json module accepts beyond JSON and the format (a byte-order mark or other
+    # encodings, lone surrogates, duplicate names, -0) goes to the strict path, which refuses it.
+    if raw[:1] != b"{" or b"\\u" in raw or _MINUS_ZERO.search(raw):
+        return None
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw.decode("utf-8"))
         if type(obj) is not dict:
             return None
+        commas, strings = max(len(obj) - 1, 0), "".join(obj)
         metadata = obj.pop("__metadata__", None)
-        if metadata is None:
+        if type(metadata) is dict:
+            commas += max(len(metadata) - 1, 0)
+            strings += "".join(itertools.chain.from_iterable(metadata.items()))
+        elif metadata is None:
             metadata = {}
         if type(metadata) is not dict or not set(map(type, itertools.chain.from_iterable(metadata.items()))) <= {str}:
             return None
         names = list(obj)
-        if raw.count(b'"data_offsets"') != len(names):
-            return None  # a duplicated name, or an odd entry
         entries = list(obj.values())
+        if not set(map(type, entries)) <= {dict} or not set(map(len, entries)) <= {3}:
+            return None  # an odd entry, or fields the strict path checks
         dtypes = [DTYPE_ORDER[e["dtype"]] for e in entries]
         shapes = [e["shape"] for e in entries]
         spans = [e["data_offsets"] for e in entries]
@@ -259,6 +269,13 @@ def _fast(raw: bytes, size: int, dcp_name: bool) -> _Parsed | None:
     if not ints <= {int} or set(map(len, spans)) - {2}:
         return None
     ndim = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))
+    if len(shapes) and int(ndim.max()) > MAX_NDIM:
+        return None
+    # No name twice anywhere: with no escapes in the text, its commas are exactly those between the
+    # values of every object and list plus those inside its strings; a repeated key adds one.
+    commas += 3 * len(entries) + int(np.maximum(ndim - 1, 0).sum())  # per entry: 2 between fields, 1 in data_offsets
+    if raw.count(b",") != commas + strings.count(","):
+        return None
     if offsets is not None and not np.array_equal(ndim, np.fromiter(map(len, offsets), dtype=np.int64, count=len(offsets))):
         return None
     try:
@@ -272,8 +289,11 @@ def _fast(raw: bytes, size: int, dcp_name: bool) -> _Parsed | None:
     # Elements, through float64 first so that huge shapes cannot overflow silently.
     if ((shape + offset).astype(np.float64) >= MAX_DIM).any():
         return None
-    if (np.prod(shape.astype(np.float64), axis=1) * 8 >= 2.0**62).any():
-        return None
+    reach = np.prod((shape + offset).astype(np.float64), axis=1) * _BITS[np.array(dtypes, dtype=np.int64)] / 8
+    if len(shape) and (reach >= 2.0**62).any():
+        return None  # the full tensor may not be addressable: the strict path says so exactly
+    if len(shape) and (np.cumprod(shape.astype(np.float64), axis=1) * 8 >= 2.0**62).any():
+        return None  # the strict path multiplies exactly, left to right as the reference reader does
     dtype = np.array(dtypes, dtype=np.int8)
     bits = np.prod(shape, axis=1) * _BITS[dtype]
     if (bits % 8).any() or not np.array_equal(bits // 8, span[:, 1] - span[:, 0]):
@@ -309,6 +329,14 @@ def _strict(path: str, raw: bytes, size: int, dcp_name: bool) -> _Parsed:
         if any(o + d >= MAX_DIM for o, d in zip(saved, entry.shape)):
             raise InputError(
                 f"{path}: tensor {entry.name!r}: saved_offsets {saved} with shape {list(entry.shape)} reach past 2**63 elements"
+            )
+        reach = DTYPE_BY_NAME[entry.dtype].bits
+        for o, d in zip(saved, entry.shape):
+            reach *= o + d
+        if reach >= MAX_DIM * 8:
+            raise InputError(
+                f"{path}: tensor {entry.name!r}: saved_offsets {saved} with shape {list(entry.shape)} make a tensor of "
+                "2**63 bytes or more (damaged header?)"
             )
         offsets.append(saved)
     if info is not None:

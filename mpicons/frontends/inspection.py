@@ -26,8 +26,8 @@ from ..core.plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, natura
 from ..core.reports import Problem, human_bytes, skipped_entries
 from ..core.reports import count_of as _count
 from ..core.table import ShardFiles, missing_shards
-from ..job.consolidation import layout_of, load_mapping, scan_inputs
-from ..job.scan import distribute
+from ..job.consolidation import layout_of, load_mapping
+from ..job.scan import distribute, scan, select
 
 #: Width the table output is laid out for.
 WIDTH = 100
@@ -225,8 +225,12 @@ def inspect(
         raise InputError(f"ranks must be a positive integer (got {ranks!r})")
     options.check(comm.size)
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-    scanned = scan_inputs(input_dir, comm, options)
+    # Tensors with pieces the scan cannot read are listed as problems, each of them, not raised.
+    scanned = select(scan(input_dir, comm, listing=True), options.include, options.exclude, options.strip_prefix)
     problems = Problems(strict=False)
+    position = {name: t for t, name in enumerate(scanned.names)}
+    for name in sorted(scanned.unreadable):
+        problems.add(scanned.unreadable[name], position[name])
     layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, problems))
     file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
     comm.allreduce_array(file_pieces, "sum")

@@ -38,7 +38,7 @@ from ..core.reports import Problem, human_bytes
 from ..core.reports import count_of as _count
 from ..core.table import DCP_SHARD_NAME
 from ..io.hdf5 import HDF5_NAME, dataset_path, storage_dtype
-from ..io.outdir import LOCK_NAME, STAGING_PREFIX, Holder
+from ..io.outdir import LOCK_NAME, STAGING_PREFIX, read_lock
 from ..io.sources import MAX_TRANSFER, SourceFiles
 from ..job.consolidation import DEFAULT_BUFFER_SIZE, check_buffer_fits
 from ..job.exchange import ExchangeWriter
@@ -218,8 +218,8 @@ class VerifyReport:
     compared_tensors: int = 0
     compared_bytes: int = 0
     problems: list[Problem] = field(default_factory=list)
-    #: Entries not opened because they are not regular files (links unless followed, FIFOs, devices):
-    #: the directory cannot be checked as it is (the command line exits 2).
+    #: Entries not read: not regular files (links unless followed, FIFOs, devices), or a lock mpicons
+    #: cannot read as its own. The directory cannot be checked as it is (the command line exits 2).
     refused: list[str] = field(default_factory=list)
 
     @property
@@ -239,7 +239,7 @@ class VerifyReport:
                 f"compared with {self.against}"
             )
         if self.refused:
-            checked += f"; {_count(len(self.refused), 'entry', 'entries')} not read (not regular files)"
+            checked += f"; {_count(len(self.refused), 'entry', 'entries')} not read (see above)"
         return f"mpicons verify: {status}: {self.output_dir} ({checked}) on {_count(self.ranks, 'rank')}"
 
     def to_dict(self) -> dict[str, object]:
@@ -329,28 +329,27 @@ def _classify(output_dir: str, names: Sequence[str], follow_links: bool) -> _Ent
 
 
 def _lock_problem(output_dir: str) -> tuple[Problem | None, bool]:
-    """A lock file says a consolidation may be running; it is read (bounded) only if it is a regular file.
+    """A lock file says a consolidation may be running. It is read as the output directory reads it
+    (bounded, never following a link or blocking on a FIFO); one mpicons cannot read as its own is
+    refused (exit 2), as ``consolidate`` refuses it.
 
-    Returns the problem (None without a lock) and whether the lock was refused unread."""
+    Returns the problem (None without a lock) and whether the lock was refused."""
     lock = os.path.join(output_dir, LOCK_NAME)
-    if not os.path.lexists(lock):
-        return None, False
-    holder = None
     try:
-        fd = open_regular(lock, False, ": not a lock mpicons writes (left unread); remove it if no consolidation is running")
-    except _Refused as exc:
-        return _problem(lock, None, exc.what), True
-    except OSError:
-        pass
-    else:
-        try:
-            holder = Holder.parse(_read_at(fd, _MAX_LOCK_SIZE, 0))
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-    who = holder.describe() if holder else "an unknown run"
-    return _problem(lock, None, f"a consolidation holds this directory ({who}): its content may be changing"), False
+        seen = read_lock(output_dir)
+    except OSError as exc:
+        return _problem(lock, None, f"cannot be read ({exc.strerror or exc})"), True
+    if seen is None:
+        return None, False
+    if seen.holder is None:
+        what = (
+            f"{seen.describe(lock)}; if no consolidation is running, remove it "
+            "(or let the next consolidate take it over with --break-lock)"
+        )
+        return _problem(lock, None, what), True
+    return _problem(
+        lock, None, f"a consolidation holds this directory ({seen.holder.describe()}): its content may be changing"
+    ), False
 
 
 def _parse_index(index_path: str, obj: object) -> tuple[dict[str, str] | None, int | None, list[Problem]]:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..comm.agreement import Comm, agree
-from ..core.distcp import DATA_SUFFIX, METADATA_NAME, DistcpTable, Item, locate, read_metadata
+from ..core.distcp import DATA_SUFFIX, METADATA_NAME, DistcpTable, Item, locate_all, read_metadata
 from ..core.errors import InputError
 from ..core.format import DTYPES
 from ..core.machine import host_name
@@ -70,6 +70,10 @@ class Scanned:
     skipped: list[str] = field(default_factory=list)
     #: Per tensor, its position in the state dict as saved, when the checkpoint records it (``.distcp``).
     order: np.ndarray | None = None
+    #: Tensors whose ``.distcp`` pieces cannot be read (left out of ``pieces``): name → the first problem.
+    unreadable: dict[str, str] = field(default_factory=dict)
+    #: Whether ``unreadable`` is listed (``inspect``) rather than refused by :func:`select`.
+    listing: bool = False
 
     @property
     def shared(self) -> bool:
@@ -158,11 +162,15 @@ def _union(a: list[str], b: list[str]) -> list[str]:
     return sorted(set(a) | set(b))
 
 
-def scan(input_dir: str, comm: Comm) -> Scanned:
-    """Find the shards and read every header once, split over ``comm``; the facts are the same on every rank."""
+def scan(input_dir: str, comm: Comm, listing: bool = False) -> Scanned:
+    """Find the shards and read every header once, split over ``comm``; the facts are the same on every rank.
+
+    ``.distcp`` pieces that cannot be read are left out and their tensors kept in ``unreadable``:
+    :func:`select` refuses those it keeps, all named at once, unless ``listing`` (``inspect``).
+    """
     names, sizes, holders = discover(input_dir, comm)
     if METADATA_NAME in names:
-        return _scan_distcp(input_dir, comm, names, sizes, holders)
+        return _scan_distcp(input_dir, comm, names, sizes, holders, listing)
     files = shard_files(names, sizes, holders)
     readers = assign_readers(holders, len(names), comm.size)
     mine = np.flatnonzero(readers == comm.rank)
@@ -213,7 +221,14 @@ def _read_distcp_metadata(directory: str, listed: list[str]) -> DistcpTable:
     return table
 
 
-def _scan_distcp(input_dir: str, comm: Comm, names: list[str], sizes: list[int], holders: list[np.ndarray] | None) -> Scanned:
+def _scan_distcp(
+    input_dir: str,
+    comm: Comm,
+    names: list[str],
+    sizes: list[int],
+    holders: list[np.ndarray] | None,
+    listing: bool = False,
+) -> Scanned:
     """``.metadata`` read by one rank that sees it; each piece sent to the reader of its data file, which
     finds the piece's bytes inside its item (``torch.save`` archive or safetensors blob)."""
     directory = rank_directory(input_dir, comm.rank)
@@ -238,7 +253,12 @@ def _scan_distcp(input_dir: str, comm: Comm, names: list[str], sizes: list[int],
     del table
     mine = exchange(comm, records, destination)
     del records
-    begins = agree(comm, lambda: _locate_items(directory, data_files, tensor_names, mine))
+    begins, problems = agree(comm, lambda: _locate_items(directory, data_files, tensor_names, mine))
+    problems = comm.allreduce_object(problems, _first_per_tensor)
+    if problems:
+        position = {name: t for t, name in enumerate(tensor_names)}
+        readable = ~np.isin(mine["tensor"], [position[name] for name in problems])
+        mine, begins = mine[readable], begins[readable]
     pieces = Pieces(
         tensor=mine["tensor"].copy(),
         file=mine["file"].copy(),
@@ -256,7 +276,9 @@ def _scan_distcp(input_dir: str, comm: Comm, names: list[str], sizes: list[int],
     facts.dtype_first[never], facts.ndim_first[never], facts.dest_first[never] = dtype[never], ndim[never], 0
     facts.declared = size
     release_memory()
-    return Scanned(directory, files, tensor_names, pieces, facts, skipped=list(skipped), order=order)
+    return Scanned(
+        directory, files, tensor_names, pieces, facts, skipped=list(skipped), order=order, unreadable=problems, listing=listing
+    )
 
 
 _DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
@@ -271,9 +293,27 @@ def _distcp_files(names: list[str], sizes: list[int], holders: list[np.ndarray] 
     return files
 
 
-def _locate_items(directory: str, data_files: list[str], names: list[str], records: np.ndarray) -> np.ndarray:
-    """Where each received piece's bytes begin in its data file (one pass over each file's items)."""
+def _first_per_tensor(a: dict[str, str], b: dict[str, str]) -> dict[str, str]:
+    return {**b, **a}
+
+
+def _unreadable_summary(problems: dict[str, str]) -> str:
+    """One line for every tensor whose pieces cannot be read: the first in full, then the others' names."""
+    names = sorted(problems)
+    first = problems[names[0]]
+    if len(names) == 1:
+        return first
+    shown = ", ".join(repr(n) for n in names[1:6]) + (", ..." if len(names) > 6 else "")
+    return f"{first} (and {count_of(len(names) - 1, 'more tensor')} with unreadable pieces: {shown}; mpicons inspect lists each)"
+
+
+def _locate_items(
+    directory: str, data_files: list[str], names: list[str], records: np.ndarray
+) -> tuple[np.ndarray, dict[str, str]]:
+    """Where each received piece's bytes begin in its data file (one pass over each file's items), and
+    the first problem of each tensor whose pieces cannot be read."""
     begins = np.zeros(len(records), dtype=np.int64)
+    problems: dict[str, str] = {}
     for f in np.unique(records["file"]):
         at = np.flatnonzero(records["file"] == f)
         items = [
@@ -287,8 +327,10 @@ def _locate_items(directory: str, data_files: list[str], names: list[str], recor
             )
             for r in records[at]
         ]
-        begins[at] = locate(os.path.join(directory, data_files[int(f)]), items)
-    return begins
+        begins[at], found = locate_all(os.path.join(directory, data_files[int(f)]), items)
+        for problem in found:
+            problems.setdefault(problem.tensor, problem.message)
+    return begins, problems
 
 
 # ---------------------------------------------------------------- choosing tensors
@@ -301,7 +343,7 @@ def select(
     ``exclude`` glob; then remove ``strip_prefix`` from the names that start with it. Pure: every
     rank computes the same from the same names."""
     if not include and not exclude and not strip_prefix:
-        return scanned
+        return _readable(scanned)
     names = scanned.names
     keep = [
         t
@@ -338,13 +380,24 @@ def select(
         + ("declared",)
         if getattr(facts, f) is not None
     }
-    return replace(
-        scanned,
-        names=[renamed[i] for i in ordered],
-        pieces=pieces,
-        facts=replace(facts, **per_tensor),
-        order=None if scanned.order is None else scanned.order[old],
+    new_name = {names[t]: new for t, new in zip(keep, renamed)}
+    return _readable(
+        replace(
+            scanned,
+            names=[renamed[i] for i in ordered],
+            pieces=pieces,
+            facts=replace(facts, **per_tensor),
+            order=None if scanned.order is None else scanned.order[old],
+            unreadable={new_name[n]: m for n, m in scanned.unreadable.items() if n in new_name},
+        )
     )
+
+
+def _readable(scanned: Scanned) -> Scanned:
+    """``scanned`` when every tensor it keeps can be read (or it lists them); else bad input naming them all."""
+    if scanned.unreadable and not scanned.listing:
+        raise InputError(_unreadable_summary(scanned.unreadable))
+    return scanned
 
 
 def release_memory() -> None:
