@@ -680,7 +680,7 @@ def test_a_hostile_data_pkl_is_bounded(tmp_path: Path, data_pkl: bytes, phrase: 
 def test_a_hostile_checkpoint_changes_nothing_for_the_next_one(tmp_path: Path) -> None:
     """In one process: archives that try to set state on every stand-in either unpickler hands out,
     then well-formed checkpoints, which must read as if nothing had come before."""
-    from mpicons import distcp
+    from mpicons.core import distcp
 
     hostile = copy_fixture("transposed", tmp_path / "hostile")
     values = struct.pack("<12f", *range(12))
@@ -709,7 +709,7 @@ def test_a_hostile_checkpoint_changes_nothing_for_the_next_one(tmp_path: Path) -
 
 def test_the_opcode_check_passes_what_torch_and_the_sample_write(tmp_path: Path) -> None:
     """Control for the bounds: every pickle of the fixtures and of the sample is read."""
-    from mpicons import distcp
+    from mpicons.core import distcp
 
     write_sample(tmp_path / "sample", SampleConfig(layers=1, hidden=16, intermediate=40, vocab=50), distcp="torch_save")
     directories = [DISTCP_FIXTURES / name / "dcp" for name in DISTCP_NAMES] + [tmp_path / "sample"]
