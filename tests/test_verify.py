@@ -221,7 +221,7 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], list[tuple[str | None, object
     "trailing-bytes": (lambda o: open(o / FILE1, "ab").write(b"\0" * 8), [(FILE1, ANY, "trailing bytes")]),
     "corrupt-header": (
         lambda o: (o / FILE1).write_bytes((o / FILE1).read_bytes().replace(b'{"__metadata__"', b'["__metadata__"', 1)),
-        [(FILE1, None, "header is not valid JSON")],
+        [(FILE1, None, "header is not a JSON object")],
     ),
     "header-too-long": (
         lambda o: (o / FILE2).write_bytes(b"\xff" * 8 + (o / FILE2).read_bytes()[8:]),
