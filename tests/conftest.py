@@ -38,3 +38,40 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+def _gather_verdicts(item: pytest.Item, verdict: str | None) -> list[str | None] | None:
+    """Every rank's verdict on the test that just ran, when the session is one job of several ranks
+    (mpiexec with pytest-mpi, or torchrun); None when this process runs alone."""
+    if item.config.getoption("--only-torch"):
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return None
+        verdicts: list[str | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(verdicts, verdict)
+        return verdicts
+    mpi = sys.modules.get("mpi4py.MPI")
+    if item.get_closest_marker("mpi") is None or mpi is None or mpi.COMM_WORLD.size == 1:
+        return None
+    return mpi.COMM_WORLD.allgather(verdict)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """The agreed verdict: a test that failed on any rank fails on every rank, with that rank's report.
+
+    Every rank runs the same tests in the same order, so this exchange after each test's body is a
+    collective all of them reach; with ``-x`` every rank then stops at the same test instead of the
+    others going on into the next test's collectives and waiting there for ever."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call":
+        return
+    mine = f"{report.longreprtext[-4000:]}" if report.failed else None
+    verdicts = _gather_verdicts(item, mine)
+    if verdicts is None or not any(verdicts):
+        return
+    failed = [f"--- failed on rank {rank}:\n{text}" for rank, text in enumerate(verdicts) if text]
+    if not report.failed:
+        report.outcome = "failed"
+        report.longrepr = "\n".join(failed)

