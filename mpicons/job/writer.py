@@ -24,6 +24,15 @@ from ..io.sources import SourceFiles
 COPY_CHUNK = 256 << 20
 
 
+def _no_hook(size: int) -> None:
+    pass
+
+
+#: Called with each assembled block's size before it is assembled; tests replace it to slow, hold or
+#: stop a rank mid-write.
+block_hook: Callable[[int], None] = _no_hook
+
+
 class Background:
     """Up to ``workers`` I/O calls in flight on threads (the syscalls release the GIL).
 
@@ -126,6 +135,7 @@ class Writer:
     def _write_segments(self, segments: list[Segment]) -> None:
         for whole in blocks(self.layout, segments, self.block_bytes):
             for block, runs in self.assembler.split(whole):
+                block_hook(block.size)
                 buffer = self._next_slot(block.size)
                 data = self.assembler.assemble(block, buffer, runs)
                 if self.background.pool is not None:

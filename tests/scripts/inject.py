@@ -46,26 +46,18 @@ if fault == "fsize-limit":  # every rank, once MPI is up (its shared memory must
 
     mpicons.comm.as_communicator = limited
 elif fault == "slow-write":  # every rank: slow writes, so a signal can arrive mid-write
-    original_slow = mpicons.job.writer.Writer._next_slot
-
-    def slow_slot(self, size):
-        time.sleep(0.05)
-        return original_slow(self, size)
-
-    mpicons.job.writer.Writer._next_slot = slow_slot
+    mpicons.job.writer.block_hook = lambda size: time.sleep(0.05)
 elif fault == "hold-write":  # every rank: hold the first block until the test creates the release file
-    original_held = mpicons.job.writer.Writer._next_slot
     release = os.environ["MPICONS_TEST_RELEASE"]
     held = []
 
-    def held_slot(self, size):
+    def hold_first(size):
         if not held:
             held.append(size)
             while not os.path.exists(release):
                 time.sleep(0.02)
-        return original_held(self, size)
 
-    mpicons.job.writer.Writer._next_slot = held_slot
+    mpicons.job.writer.block_hook = hold_first
 elif rank == victim:
     if fault == "write-oserror":
 
@@ -87,19 +79,17 @@ elif rank == victim:
 
         mpicons.io.sources.SourceFiles.read_into = failing_read
     elif fault in ("kill-write", "signal-write"):  # as the rank starts its first block
-        original = mpicons.job.writer.Writer._next_slot
         calls = []
 
-        def stopping_slot(self, size):
+        def stop_at_first(size):
             calls.append(size)
             if len(calls) == 1:
                 if fault == "kill-write":
                     os.kill(os.getpid(), signal.SIGKILL)
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(30)
-            return original(self, size)
 
-        mpicons.job.writer.Writer._next_slot = stopping_slot
+        mpicons.job.writer.block_hook = stop_at_first
     elif fault in ("signal-progress-start", "signal-progress-finish"):  # the rank gets SIGTERM in the reporter's protocol
         import mpicons.job.progress
 
