@@ -36,14 +36,15 @@ def _could_not_start(exc: BaseException) -> int:
         signal.raise_signal(signal.SIGINT)
     try:
         from .core.machine import memory_exhausted, out_of_memory_line
-    except BaseException:  # noqa: BLE001 - not even that loads: memory is what is missing
+        from .core.messages import ERROR
+    except BaseException:  # noqa: BLE001 - not even that loads: memory is what is missing (the tag spelt out)
         sys.stderr.write("mpicons: error: out of memory\n")
         return 1
     if memory_exhausted(exc):
         what = out_of_memory_line()
     else:
         what = f"cannot start: {type(exc).__name__}: {exc}"
-    sys.stderr.write(f"mpicons: error: {what}\n")
+    sys.stderr.write(f"{ERROR}{what}\n")
     return 1
 
 

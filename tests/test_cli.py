@@ -82,8 +82,10 @@ def test_every_consolidate_option_is_passed_on():
         verbose=True,
     )
     defaults = Options()
-    # No option of the library is unreachable from the command line: every field was changed above.
-    assert [f.name for f in fields(Options) if getattr(options, f.name) == getattr(defaults, f.name)] == []
+    # No option of the library is unreachable from the command line: every field was changed above
+    # (but the background I/O threads, which MPICONS_IO_THREADS gives).
+    unchanged = [f.name for f in fields(Options) if getattr(options, f.name) == getattr(defaults, f.name)]
+    assert unchanged == ["io_threads"]
 
 
 def test_format_and_gather_flags_take_effect(tmp_path):
@@ -251,3 +253,17 @@ def test_closing_report_keeps_one_line_per_item_when_it_fits():
         + ", ".join(f"optimizer.state.{i}" for i in range(5))
         + ", and 2 more"
     )
+
+
+def test_io_threads_come_from_the_environment_when_the_options_are_made(monkeypatch):
+    from mpicons.core.errors import InputError
+    from mpicons.core.options import io_threads_from_environment
+
+    assert io_threads_from_environment({}) == 1
+    assert io_threads_from_environment({"MPICONS_IO_THREADS": " 3 "}) == 3
+    with pytest.raises(InputError, match="MPICONS_IO_THREADS='two'"):
+        io_threads_from_environment({"MPICONS_IO_THREADS": "two"})
+    monkeypatch.setenv("MPICONS_IO_THREADS", "0")
+    assert Options().io_threads == 0
+    with pytest.raises(InputError, match="MPICONS_IO_THREADS must be"):
+        Options(io_threads=-1).check(1)

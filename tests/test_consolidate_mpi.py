@@ -114,9 +114,7 @@ def test_balanced_split_on_one_output_file(mpi_tmp_path):
 
 @pytest.mark.parametrize("io_threads", [0, 1, 3])
 def test_background_io_threads_and_no_sync_give_the_same_bytes(io_threads, mpi_tmp_path, monkeypatch):
-    import mpicons.job.consolidation
-
-    monkeypatch.setattr(mpicons.job.consolidation, "IO_THREADS", io_threads)
+    monkeypatch.setenv("MPICONS_IO_THREADS", str(io_threads))  # read when the options are made
     comm = MPI.COMM_WORLD
     out = mpi_tmp_path / "out"
     mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", out, comm=comm, sync=False, buffer_size=1 << 16)

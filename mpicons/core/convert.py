@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from .errors import InputError
 from .format import DTYPE_BY_NAME
-
-#: ``--dtype`` choices → safetensors dtype names.
-TARGETS = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+from .options import DTYPE_TARGETS as TARGETS
+from .options import DTYPES, check_choice
 
 
 def converted_dtype(source: str, target: str | None) -> str:
     """The dtype a tensor of ``source`` dtype is written as under ``--dtype target``."""
     if target is None:
         return source
-    if target not in TARGETS:
-        raise InputError(f"unknown --dtype {target!r} (choose from {', '.join(TARGETS)})")
+    check_choice(target, DTYPES, "--dtype")
     kind = DTYPE_BY_NAME[source]
     if not kind.is_float or kind.bits % 8:
         return source

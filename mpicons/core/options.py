@@ -9,13 +9,47 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from .convert import TARGETS
 from .errors import InputError
 
-DEFAULT_BUFFER_SIZE = 32 << 20
+#: Every choice and default of the job's options, here once: ``Options``, its checks and the command line use them.
+#: The first of each tuple is the default.
 SPLITS = ("bytes", "files")
 BACKENDS = ("posix", "mpiio")
 FORMATS = ("safetensors", "hdf5")
+#: ``--dtype`` choices and the safetensors dtype each converts floating-point tensors to.
+DTYPE_TARGETS = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
+DTYPES = tuple(DTYPE_TARGETS)
+DEFAULT_BUFFER_SIZE = 32 << 20
+#: The command line's seconds between progress reports (the library is silent unless asked).
+DEFAULT_PROGRESS_SECONDS = 10.0
+#: How progress is shown: ``MPICONS_PROGRESS`` chooses one, unset decides from the terminal.
+PROGRESS_STYLES = ("bar", "lines")
+PROGRESS_VARIABLE = "MPICONS_PROGRESS"
+#: Background I/O threads per rank come from the environment, as a job's scripts set them.
+IO_THREADS_VARIABLE = "MPICONS_IO_THREADS"
+DEFAULT_IO_THREADS = 1
+
+
+def check_choice(value: object, choices: tuple[str, ...], what: str) -> None:
+    """Refuse a value that is none of ``choices``, naming them (one wording for every option)."""
+    if value not in choices:
+        raise InputError(f"unknown {what} {value!r} (choose from {', '.join(choices)})")
+
+
+def _listed(choices: tuple[str, ...]) -> str:
+    """``a``, ``b`` or ``c``: the choices as the documentation names them."""
+    quoted = [f"``{choice}``" for choice in choices]
+    return f"{', '.join(quoted[:-1])} or {quoted[-1]}" if len(quoted) > 1 else quoted[0]
+
+
+def io_threads_from_environment(environ: Mapping[str, str] | None = None) -> int:
+    """``MPICONS_IO_THREADS`` as a count of threads (unset: one); read when an ``Options`` is made, not at import."""
+    value = (os.environ if environ is None else environ).get(IO_THREADS_VARIABLE, "").strip()
+    if not value:
+        return DEFAULT_IO_THREADS
+    if not value.isdigit():
+        raise InputError(f"{IO_THREADS_VARIABLE}={value!r}: expected a whole number of threads (0: none)")
+    return int(value)
 
 
 def _option(default: Any, doc: str, factory: Callable[[], Any] | None = None) -> Any:
@@ -27,8 +61,8 @@ def _option(default: Any, doc: str, factory: Callable[[], Any] | None = None) ->
 
 @dataclass(frozen=True)
 class Options:
-    """How a consolidation runs. Every field is also a command-line option (``--buffer-size`` for
-    ``buffer_size``, and so on); the defaults are the command line's."""
+    """How a consolidation runs. Every field but ``io_threads`` is also a command-line option
+    (``--buffer-size`` for ``buffer_size``, and so on); the defaults are the command line's."""
 
     mapping: str | os.PathLike[str] | Mapping[str, object] | None = _option(
         None,
@@ -37,12 +71,12 @@ class Options:
         "None: from the shard names (DCP), or each tensor stays in its file (plain safetensors).",
     )
     split: str = _option(
-        "bytes",
+        SPLITS[0],
         "How work is divided: ``bytes`` gives every rank an equal stretch of output bytes, cut at row "
         "boundaries; ``files`` deals whole output files round-robin (torch's policy).",
     )
     io: str = _option(
-        "posix", "Output backend: ``posix`` (pwrite, ``copy_file_range``) or ``mpiio`` (``MPI.File``, ``Write_at``)."
+        BACKENDS[0], "Output backend: ``posix`` (pwrite, ``copy_file_range``) or ``mpiio`` (``MPI.File``, ``Write_at``)."
     )
     buffer_size: int = _option(
         DEFAULT_BUFFER_SIZE,
@@ -63,13 +97,13 @@ class Options:
     )
     verbose: bool = _option(False, "Progress lines name the slowest rank.")
     dtype: str | None = _option(
-        None, "``bf16``, ``fp16`` or ``fp32``: convert floating-point tensors (round to nearest even); None: as saved."
+        None, f"{_listed(DTYPES)}: convert floating-point tensors (round to nearest even); None: as saved."
     )
     max_shard_size: int | None = _option(
         None, "Re-shard like Hugging Face: files filled in order up to this many bytes (``5GB`` = 5·10⁹)."
     )
     output_format: str = _option(
-        "safetensors", "``safetensors`` (Hugging Face files and index) or ``hdf5`` (one ``model.h5``; needs h5py)."
+        FORMATS[0], "``safetensors`` (Hugging Face files and index) or ``hdf5`` (one ``model.h5``; needs h5py)."
     )
     gather_to: int | None = _option(
         None, "Write every output on this rank only (its local output directory); data moves over MPI."
@@ -82,19 +116,24 @@ class Options:
     strip_prefix: str | None = _option(
         None, "Remove this prefix from the names that start with it (``model.`` for accelerate's FSDP checkpoints)."
     )
+    io_threads: int = _option(
+        None,
+        f"Background threads per rank for posix writes and kernel copies, overlapping the next block's assembly "
+        f"(0: none). Not a command-line option: ``{IO_THREADS_VARIABLE}`` gives it, read when the options are made.",
+        factory=io_threads_from_environment,
+    )
 
     def check(self, ranks: int) -> None:
         """Refuse options that are wrong whatever the checkpoint (the same on every rank)."""
-        if self.output_format not in FORMATS:
-            raise InputError(f"unknown output format {self.output_format!r} (choose from {', '.join(FORMATS)})")
-        if self.split not in SPLITS:
-            raise InputError(f"unknown split {self.split!r} (choose from {', '.join(SPLITS)})")
-        if self.io not in BACKENDS:
-            raise InputError(f"unknown I/O backend {self.io!r} (choose from {', '.join(BACKENDS)})")
-        if self.dtype is not None and self.dtype not in TARGETS:
-            raise InputError(f"unknown --dtype {self.dtype!r} (choose from {', '.join(TARGETS)})")
+        check_choice(self.output_format, FORMATS, "output format")
+        check_choice(self.split, SPLITS, "split")
+        check_choice(self.io, BACKENDS, "I/O backend")
+        if self.dtype is not None:
+            check_choice(self.dtype, DTYPES, "--dtype")
         if self.buffer_size <= 0:
             raise InputError(f"--buffer-size must be positive (got {self.buffer_size})")
+        if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 0:
+            raise InputError(f"{IO_THREADS_VARIABLE} must be a whole number of threads, 0 or more (got {self.io_threads!r})")
         if self.max_shard_size is not None and self.max_shard_size <= 0:
             raise InputError(f"--max-shard-size must be positive (got {self.max_shard_size})")
         if self.mapping is not None and self.max_shard_size is not None:
@@ -137,4 +176,19 @@ def _documented(cls: type) -> str:
 
 Options.__doc__ = _documented(Options)
 
-__all__ = ["Options", "DEFAULT_BUFFER_SIZE", "SPLITS", "BACKENDS", "FORMATS"]
+__all__ = [
+    "Options",
+    "DEFAULT_BUFFER_SIZE",
+    "DEFAULT_PROGRESS_SECONDS",
+    "DEFAULT_IO_THREADS",
+    "SPLITS",
+    "BACKENDS",
+    "FORMATS",
+    "DTYPES",
+    "DTYPE_TARGETS",
+    "check_choice",
+    "PROGRESS_STYLES",
+    "PROGRESS_VARIABLE",
+    "IO_THREADS_VARIABLE",
+    "io_threads_from_environment",
+]

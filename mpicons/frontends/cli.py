@@ -20,15 +20,15 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import IO, TYPE_CHECKING, Any, NoReturn
 
 from ..comm.interrupts import install_handlers
+from ..core import messages
 from ..core.errors import InputError, MpiconsError, WriteError
+from ..core.options import BACKENDS, DEFAULT_BUFFER_SIZE, DEFAULT_PROGRESS_SECONDS, DTYPES, FORMATS, SPLITS, Options
 from ..core.version import __version__
 
 if TYPE_CHECKING:
     from ..comm import Communicator as Comm
-    from ..core.options import Options
     from ..job.consolidation import ConsolidateResult
 
-DEFAULT_BUFFER_SIZE = 32 << 20
 _UNITS = {
     "": 1,
     "k": 1 << 10,
@@ -47,10 +47,6 @@ _UNITS = {
 }
 #: Where launchers put a process's rank before MPI starts (MPICH/hydra, Open MPI, PMIx, Slurm, MVAPICH).
 _RANK_VARIABLES = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID", "MV2_COMM_WORLD_RANK")
-_SPLITS = ("bytes", "files")
-_BACKENDS = ("posix", "mpiio")
-_FORMATS = ("safetensors", "hdf5")
-_DTYPES = ("bf16", "fp16", "fp32")
 _SERIALIZATIONS = ("torch_save", "safetensors")  # how a .distcp sample holds its tensors
 
 
@@ -152,6 +148,8 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+#: The default buffer size as the options are written (``32M``).
+_BUFFER_SIZE_TEXT = f"{DEFAULT_BUFFER_SIZE >> 20}M"
 _INPUT_HELP = "the sharded checkpoint: shard-RRRRR-model-IIIII-of-NNNNN.safetensors files, or .metadata and .distcp files"
 
 
@@ -195,9 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=parse_size,
         default=DEFAULT_BUFFER_SIZE,
         metavar="SIZE",
-        help="memory per rank for comparing blocks (default: 32M)",
+        help=f"memory per rank for comparing blocks (default: {_BUFFER_SIZE_TEXT})",
     )
-    check.add_argument("--dtype", choices=_DTYPES, help="the output was written with --dtype: convert the shards alike")
+    check.add_argument("--dtype", choices=DTYPES, help="the output was written with --dtype: convert the shards alike")
     _add_selection_options(check)
     check.add_argument("--json", metavar="FILE", help="write the report as JSON ('-': to standard output)")
     check.add_argument("-q", "--quiet", action="store_true", help="print only the problems")
@@ -214,8 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     look.add_argument(
         "--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json"
     )
-    look.add_argument("--split", choices=_SPLITS, default="bytes", help="work split over ranks (default: %(default)s)")
-    look.add_argument("--dtype", choices=_DTYPES, help="plan with floating-point tensors converted")
+    look.add_argument("--split", choices=SPLITS, default=SPLITS[0], help="work split over ranks (default: %(default)s)")
+    look.add_argument("--dtype", choices=DTYPES, help="plan with floating-point tensors converted")
     look.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", help="plan a Hugging Face re-sharding, e.g. 5GB")
     _add_selection_options(look)
     look.add_argument(
@@ -256,7 +254,7 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json"
     )
-    cmd.add_argument("--dtype", choices=_DTYPES, help="convert floating-point tensors (round to nearest even)")
+    cmd.add_argument("--dtype", choices=DTYPES, help="convert floating-point tensors (round to nearest even)")
     cmd.add_argument(
         "--max-shard-size",
         type=parse_size,
@@ -268,8 +266,8 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--format",
         dest="output_format",
-        choices=_FORMATS,
-        default="safetensors",
+        choices=FORMATS,
+        default=FORMATS[0],
         help="output: Hugging Face safetensors files (default) or one HDF5 file (needs h5py)",
     )
     cmd.add_argument(
@@ -278,15 +276,15 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
         metavar="RANK",
         help="write every output on this rank only (its local OUTPUT_DIR); data moves over MPI",
     )
-    cmd.add_argument("--split", choices=_SPLITS, default="bytes", help="work split over ranks (default: %(default)s)")
-    cmd.add_argument("--io", choices=_BACKENDS, default="posix", help="output backend (default: %(default)s)")
+    cmd.add_argument("--split", choices=SPLITS, default=SPLITS[0], help="work split over ranks (default: %(default)s)")
+    cmd.add_argument("--io", choices=BACKENDS, default=BACKENDS[0], help="output backend (default: %(default)s)")
     cmd.add_argument("--hint", type=_hint, action="append", default=[], metavar="KEY=VALUE", help="MPI-IO hint (repeatable)")
     cmd.add_argument(
         "--buffer-size",
         type=parse_size,
         default=DEFAULT_BUFFER_SIZE,
         metavar="SIZE",
-        help="memory per rank for assembling blocks (default: 32M)",
+        help=f"memory per rank for assembling blocks (default: {_BUFFER_SIZE_TEXT})",
     )
     cmd.add_argument("--force", action="store_true", help="replace an existing checkpoint in OUTPUT_DIR")
     cmd.add_argument(
@@ -303,7 +301,7 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--progress",
         type=float,
-        default=10.0,
+        default=DEFAULT_PROGRESS_SECONDS,
         metavar="N",
         help="progress line every N seconds on standard error (a bar on a terminal); 0 turns it off (default: %(default)s)",
     )
@@ -316,7 +314,6 @@ def job_options(args: argparse.Namespace) -> Options:
     """The library's options object from the parsed command line (every field has an option).
 
     ``MPICONS_PROGRESS`` is checked here too, so a wrong value stops the run before any work."""
-    from ..core.options import Options
     from ..job.progress import progress_choice
 
     progress_choice()
@@ -413,13 +410,13 @@ def closing_report(result: ConsolidateResult, verbose: bool, width: int) -> list
             lines += fit_items("  MPI-IO hints in effect: ", hints, width, indent="    ")
     if result.skipped:
         counted, names = skipped_parts(result.skipped)
-        lines += fit_items(f"mpicons: skipped {counted}: ", names, width)
+        lines += fit_items(f"{messages.PREFIX}skipped {counted}: ", names, width)
     names = list(result.files) if len(result.files) < 4 else [count_of(len(result.files), "file")]
     index = [result.index_file] if result.index_file else []
-    line = f"mpicons: wrote {', '.join(names)}{''.join(' and ' + i for i in index)} to {result.output_dir}"
+    line = f"{messages.PREFIX}wrote {', '.join(names)}{''.join(' and ' + i for i in index)} to {result.output_dir}"
     if len(line) <= width:
         return wrapped([*lines, line], width)
-    return wrapped([*lines, f"mpicons: wrote to {result.output_dir}:", *("  " + name for name in names + index)], width)
+    return wrapped([*lines, f"{messages.PREFIX}wrote to {result.output_dir}:", *("  " + name for name in names + index)], width)
 
 
 def _stats_report(result: ConsolidateResult) -> dict[str, object]:
@@ -451,7 +448,7 @@ def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
     if comm.rank == 0 and not args.quiet:
         kind = "" if distcp is None else f" in DCP's .distcp format ({distcp})"
         say(
-            f"mpicons demo: writing a sample checkpoint{kind} ({config.layers} layers, hidden {config.hidden}, "
+            f"{messages.DEMO}writing a sample checkpoint{kind} ({config.layers} layers, hidden {config.hidden}, "
             f"{config.dp}x{config.tp} training mesh) to {sharded}"
         )
     write_sample(sharded, config, comm, distcp=distcp)
@@ -460,7 +457,7 @@ def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
     write_report(comm, args.stats_json, lambda: _stats_report(result))
     checked = check_sample(output, config, comm)
     if comm.rank == 0 and not args.quiet:
-        say(f"mpicons demo: {count_of(checked, 'tensor')} in {output} match the sample's full tensors bit for bit")
+        say(f"{messages.DEMO}{count_of(checked, 'tensor')} in {output} match the sample's full tensors bit for bit")
     return 0
 
 
@@ -533,7 +530,7 @@ def _show_notes(quiet: bool, rank: int) -> None:
     if quiet or rank != 0 or logger.handlers:
         return
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("mpicons: note: %(message)s"))
+    handler.setFormatter(logging.Formatter(messages.NOTE + "%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
 
@@ -559,11 +556,11 @@ def main(argv: Sequence[str] | None = None, comm: object | None = None) -> int:
         return int(args.func(args, comm))
     except MpiconsError as exc:
         if comm.rank == 0:
-            say(f"mpicons: error: {exc}", sys.stderr)
+            say(f"{messages.ERROR}{exc}", sys.stderr)
         return exc.exit_code
     except Exception as exc:  # noqa: BLE001 - last resort: never leave other ranks waiting
         if not _reported_out_of_memory(exc, comm.rank):
-            say(f"mpicons: internal error on rank {comm.rank}:\n{traceback.format_exc()}", sys.stderr)
+            say(f"{messages.internal_error(comm.rank)}:\n{traceback.format_exc()}", sys.stderr)
         if comm.size > 1:
             comm.abort(1)
         return 1
@@ -575,7 +572,7 @@ def _reported_out_of_memory(exc: BaseException, rank: int) -> bool:
 
     if not memory_exhausted(exc):
         return False
-    say(f"mpicons: error: [rank {rank}] {out_of_memory_line()}", sys.stderr)
+    say(f"{messages.ERROR}[rank {rank}] {out_of_memory_line()}", sys.stderr)
     return True
 
 
@@ -584,7 +581,7 @@ def _abort_job(exc: BaseException) -> int:
     mpi = sys.modules.get("mpi4py.MPI")
     rank = launcher_rank()
     if not _reported_out_of_memory(exc, rank):
-        say(f"mpicons: internal error on rank {rank}: {type(exc).__name__}: {exc}", sys.stderr)
+        say(f"{messages.internal_error(rank)}: {type(exc).__name__}: {exc}", sys.stderr)
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.size > 1:
         mpi.COMM_WORLD.Abort(1)
     return 1

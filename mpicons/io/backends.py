@@ -9,9 +9,8 @@ from collections.abc import Mapping, Sequence
 
 from ..comm import Communicator
 from ..core.errors import InputError
+from ..core.options import BACKENDS, check_choice
 from .outputs import OutputBackend, PosixOutput
-
-BACKENDS = ("posix", "mpiio")
 
 
 def open_output(
@@ -38,7 +37,8 @@ def open_output(
         from .mpiio import MpiioOutput
 
         return MpiioOutput(comm, paths, headers, sizes, preallocated, durable, hints=hints)
-    raise InputError(f"unknown I/O backend {kind!r} (choose from {', '.join(BACKENDS)})")
+    check_choice(kind, BACKENDS, "I/O backend")
+    raise AssertionError(f"backend {kind!r} is listed but has no implementation")
 
 
 __all__ = ["BACKENDS", "open_output"]

@@ -29,9 +29,6 @@ from .scan import Scanned, distribute, rank_directory, scan, select
 from .stats import PhaseClock, Stats, reduce_stats
 from .writer import Writer
 
-#: Background threads per rank for posix writes and kernel copies (overlapping the next block's assembly).
-IO_THREADS = int(os.environ.get("MPICONS_IO_THREADS", "1"))
-
 log = logging.getLogger("mpicons")
 
 __all__ = ["consolidate", "ConsolidateResult", "Options", "load_mapping", "DEFAULT_BUFFER_SIZE", "FORMATS"]
@@ -199,7 +196,8 @@ def consolidate(
     comm = as_communicator(comm)
     options = (options or Options()).with_changes(**changes)
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
-    agree_arguments(comm, "consolidate", input=os.path.abspath(input_dir), output=os.path.abspath(output_dir), options=options)
+    agreed = options.with_changes(io_threads=0)  # background threads are each rank's own affair
+    agree_arguments(comm, "consolidate", input=os.path.abspath(input_dir), output=os.path.abspath(output_dir), options=agreed)
     check_options(comm, options)
     owner = options.gather_to if options.gather_to is not None else 0
     clock = PhaseClock()
@@ -324,7 +322,9 @@ def _write_share(
             if not exchanging:
                 with raising_inside():
                     raise_pending()
-                    written = Writer(layout, part, sources, output, options.buffer_size, on_bytes, io_threads=IO_THREADS).run()
+                    written = Writer(
+                        layout, part, sources, output, options.buffer_size, on_bytes, io_threads=options.io_threads
+                    ).run()
                 return written, 0
             writer = ExchangeWriter(
                 layout,

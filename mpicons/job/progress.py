@@ -23,6 +23,8 @@ import numpy as np
 
 from ..comm import Communicator, Request
 from ..core.errors import InputError
+from ..core.messages import PROGRESS
+from ..core.options import PROGRESS_STYLES, PROGRESS_VARIABLE
 from ..core.reports import human_bytes
 
 TAG = 17
@@ -36,19 +38,17 @@ def _parent(pid: int) -> int:
         return 0
 
 
-_CHOICES = ("bar", "lines")
-
-
 def progress_choice(environ: Mapping[str, str] | None = None) -> str | None:
     """``MPICONS_PROGRESS`` as mpicons reads it: ``bar``, ``lines``, or None (decided from the terminal).
 
     Any other value is refused, so a setting meant for something else (seconds, say) is caught up front.
     """
-    value = (os.environ if environ is None else environ).get("MPICONS_PROGRESS", "").strip().lower()
-    if not value or value in _CHOICES:
+    value = (os.environ if environ is None else environ).get(PROGRESS_VARIABLE, "").strip().lower()
+    if not value or value in PROGRESS_STYLES:
         return value or None
+    expected = " or ".join(repr(style) for style in PROGRESS_STYLES)
     raise InputError(
-        f"MPICONS_PROGRESS={value!r}: expected 'bar' or 'lines', or unset to decide from the terminal "
+        f"{PROGRESS_VARIABLE}={value!r}: expected {expected}, or unset to decide from the terminal "
         "(the seconds between progress lines are --progress N)"
     )
 
@@ -247,7 +247,7 @@ class Progress:
                 parts.append(f"{writing}/{self.comm.size} ranks writing")
                 if self.verbose:
                     parts.append(f"slowest rank {slowest} at {human_bytes(self.counts[slowest])}")
-                self.stream.write(f"mpicons: progress {', '.join(parts)}\n")
+                self.stream.write(f"{PROGRESS}{', '.join(parts)}\n")
             self.stream.flush()
         except BrokenPipeError:
             self.bar, self.interval = False, float("inf")  # nobody reads: stop reporting

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from ..comm import Communicator
+from ..core.messages import PREFIX
 from ..core.reports import count_of, fit_items, human_bytes, wrapped
 
 PHASES = ("scan", "plan", "write", "finalize")
@@ -78,7 +79,7 @@ class Stats:
     def table(self, width: int = 80) -> str:
         """The closing report, no line longer than ``width`` where it can be helped (one item per line)."""
         lines = [
-            f"mpicons: {count_of(self.files, 'file')}, {count_of(self.tensors, 'tensor')}, "
+            f"{PREFIX}{count_of(self.files, 'file')}, {count_of(self.tensors, 'tensor')}, "
             f"{human_bytes(self.total_bytes)} on {count_of(self.ranks, 'rank')}",
             f"{'phase':<10}{'min s':>10}{'mean s':>10}{'max s':>10}",
         ]
