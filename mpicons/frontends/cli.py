@@ -167,21 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_options(run)
     run.set_defaults(func=_cmd_consolidate)
 
-    demo = commands.add_parser("demo", help="write the built-in sample sharded checkpoint and consolidate it")
-    demo.add_argument("directory", nargs="?", default="mpicons-demo", help="work directory (default: %(default)s)")
-    demo.add_argument("--size", type=parse_size, default=0, help="approximate checkpoint size, e.g. 1GB (default: small)")
-    demo.add_argument(
-        "--distcp",
-        action="store_true",
-        help="write the sample in DCP's default format (.metadata + .distcp) instead of DCP's Hugging Face layout",
-    )
-    demo.add_argument(
-        "--serialization",
-        choices=_SERIALIZATIONS,
-        help="how the .distcp files hold tensors (implies --distcp; default: torch_save, as torch.save does)",
-    )
-    _add_job_options(demo)
-    demo.set_defaults(func=_cmd_demo)
+    _add_demo_command(commands)
 
     check = commands.add_parser("verify", help="check a consolidated checkpoint (files, index; values with --against)")
     check.add_argument(
@@ -206,6 +192,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.set_defaults(func=_cmd_verify)
 
+    _add_inspect_command(commands)
+    return parser
+
+
+def _add_demo_command(commands: Any) -> None:
+    """``mpicons demo``: the sample written, then consolidated with the job's options."""
+    demo = commands.add_parser("demo", help="write the built-in sample sharded checkpoint and consolidate it")
+    demo.add_argument("directory", nargs="?", default="mpicons-demo", help="work directory (default: %(default)s)")
+    demo.add_argument("--size", type=parse_size, default=0, help="approximate checkpoint size, e.g. 1GB (default: small)")
+    demo.add_argument(
+        "--distcp",
+        action="store_true",
+        help="write the sample in DCP's default format (.metadata + .distcp) instead of DCP's Hugging Face layout",
+    )
+    demo.add_argument(
+        "--serialization",
+        choices=_SERIALIZATIONS,
+        help="how the .distcp files hold tensors (implies --distcp; default: torch_save, as torch.save does)",
+    )
+    _add_job_options(demo)
+    demo.set_defaults(func=_cmd_demo)
+
+
+def _add_inspect_command(commands: Any) -> None:
+    """``mpicons inspect``: the plan's options only, since nothing is written."""
     look = commands.add_parser("inspect", help="show tensors, shards, problems and each rank's work, writing nothing")
     look.add_argument("input_dir", help=_INPUT_HELP)
     look.add_argument("--ranks", type=_int_at_least(1), metavar="N", help="plan for N ranks (default: this job's size)")
@@ -227,7 +238,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="rows per list in the table, 0 for all (default: %(default)s)",
     )
     look.set_defaults(func=_cmd_inspect)
-    return parser
 
 
 def _add_selection_options(cmd: argparse.ArgumentParser) -> None:

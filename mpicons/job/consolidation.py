@@ -202,21 +202,9 @@ def consolidate(
     owner = options.gather_to if options.gather_to is not None else 0
     clock = PhaseClock()
     held: list[OutputDir] = []  # the owner's hold on the output directory
-
-    def open_output_dir() -> list[str]:
-        held.append(OutputDir.open(output_dir, options.break_lock))
-        return held[0].notes
-
     try:
         with clock("scan"):
-            mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-            check_output_names(comm, owner, output_dir, mapped_names(mapping))
-            check_machine(comm, input_dir, output_dir, options.buffer_size)
-            notes = agree_on(comm, owner, open_output_dir)
-            if comm.rank == 0:
-                for note in notes:
-                    log.info("%s: %s", output_dir, note)
-            scanned = scan_inputs(input_dir, comm, options)
+            mapping, notes, scanned = _scan_phase(comm, input_dir, output_dir, options, owner, held)
         with clock("plan"):
             layout, part = plan_job(comm, scanned, options, mapping)
             check_output_names(comm, owner, output_dir, layout_names(layout, options))
@@ -235,6 +223,42 @@ def consolidate(
     for session in held:
         session.close()
     stats = reduce_stats(comm, clock, written, len(layout.files), len(layout.tensors), layout.total_bytes)
+    return _result(comm, output_dir, options, scanned, layout, stats, written, moved, in_effect, notes)
+
+
+def _scan_phase(
+    comm: Comm, input_dir: str, output_dir: str, options: Options, owner: int, held: list[OutputDir]
+) -> tuple[dict[str, str] | None, list[str], Scanned]:
+    """Everything before the plan: the mapping read, names and machine checked, the output directory held
+    by ``owner`` (appended to ``held``, so the caller releases it), the inputs scanned."""
+
+    def open_output_dir() -> list[str]:
+        held.append(OutputDir.open(output_dir, options.break_lock))
+        return held[0].notes
+
+    mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
+    check_output_names(comm, owner, output_dir, mapped_names(mapping))
+    check_machine(comm, input_dir, output_dir, options.buffer_size)
+    notes = agree_on(comm, owner, open_output_dir)
+    if comm.rank == 0:
+        for note in notes:
+            log.info("%s: %s", output_dir, note)
+    return mapping, notes, scan_inputs(input_dir, comm, options)
+
+
+def _result(
+    comm: Comm,
+    output_dir: str,
+    options: Options,
+    scanned: Scanned,
+    layout: Layout,
+    stats: Stats,
+    written: int,
+    moved: int,
+    in_effect: dict[str, str],
+    notes: list[str],
+) -> ConsolidateResult:
+    """The result every rank returns (collective: the bytes per rank and the bytes moved are gathered)."""
     return ConsolidateResult(
         output_dir=output_dir,
         files=[f.name for f in layout.files],
