@@ -17,11 +17,14 @@ from pathlib import Path
 
 import pytest
 
-import mpicons.io.outdir as outdir
+import mpicons.io.journal as journal
+import mpicons.io.regular_files as regular_files
 from mpicons.comm import SingleProcess
 from mpicons.comm.agreement import agree
 from mpicons.core.errors import InputError, WriteError
-from mpicons.io.outdir import LOCK_NAME, Holder, OutputDir, OutputLock, UntrustedJournal, recover
+from mpicons.io.journal import UntrustedJournal, recover
+from mpicons.io.lock import LOCK_NAME, Holder, OutputLock
+from mpicons.io.outdir import OutputDir
 
 OLD = {
     "model-00001-of-00003.safetensors": b"old one",
@@ -74,11 +77,11 @@ def before(request, tmp_path) -> tuple[Path, dict[str, bytes]]:
 def steps(directory: Path, before_state: dict[str, bytes]) -> list[str]:
     """Every step label publishing goes through, recorded from a clean run on a copy."""
     seen: list[str] = []
-    outdir.step_hook = seen.append
+    journal.step_hook = seen.append
     try:
         publish_new(directory)
     finally:
-        outdir.step_hook = lambda label: None
+        journal.step_hook = lambda label: None
     return seen
 
 
@@ -122,17 +125,17 @@ def test_an_error_at_any_step_leaves_the_directory_as_it_was(before):
             if now == label:
                 raise OSError(28, "No space left on device (injected)", now)
 
-        outdir.step_hook = fail
+        journal.step_hook = fail
         try:
             if label == "discard":  # after the commit point: the new checkpoint stands, the rest is tidied later
                 publish_new(out)
-                outdir.step_hook = lambda now: None
+                journal.step_hook = lambda now: None
                 assert snapshot(out) == expected_after_success(state)
                 continue
             with pytest.raises(OSError, match="injected"):
                 publish_new(out)
         finally:
-            outdir.step_hook = lambda now: None
+            journal.step_hook = lambda now: None
         assert snapshot(out) == state, label
         assert not any(p.name.startswith(".") for p in out.iterdir()), label  # lock released, staging removed
 
@@ -146,7 +149,7 @@ def _crash_at(out: Path, label: str) -> None:
             if now == label:
                 os._exit(9)
 
-        outdir.step_hook = die
+        journal.step_hook = die
         try:
             publish_new(out)
         finally:
@@ -480,21 +483,21 @@ def test_a_directory_of_shards_is_never_an_output(tmp_path, shard):
 
 def _disk_full_at(monkeypatch, name: str) -> None:
     """Writes to the file called ``name`` fail with ENOSPC, as the system call reports it (naming no file)."""
-    real_write = outdir.write_bytes
+    real_write = regular_files.write_bytes
 
     def write(fd: int, data: memoryview) -> int:
         if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")) == name:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(fd, data)
 
-    monkeypatch.setattr(outdir, "write_bytes", write)
+    monkeypatch.setattr(regular_files, "write_bytes", write)
 
 
 @pytest.mark.parametrize("name", ["model.safetensors.index.json", ".journal.json.partial", ".mpicons.lock.", "data"])
 def test_a_full_disk_names_the_file(tmp_path, monkeypatch, before, name):
     out, state = before
     if name == ".mpicons.lock.":  # the lock's private name ends with this run's token
-        monkeypatch.setattr(outdir.Holder, "me", classmethod(lambda cls: HERE))
+        monkeypatch.setattr(Holder, "me", classmethod(lambda cls: HERE))
         name += HERE.token
     if name == "data":
         name = next(iter(NEW))

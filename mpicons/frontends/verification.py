@@ -38,7 +38,8 @@ from ..core.reports import Problem, human_bytes
 from ..core.reports import count_of as _count
 from ..core.table import DCP_SHARD_NAME
 from ..io.hdf5 import HDF5_NAME, dataset_path, storage_dtype
-from ..io.outdir import LOCK_NAME, STAGING_PREFIX, read_lock
+from ..io.journal import STAGING_PREFIX
+from ..io.lock import LOCK_NAME, read_lock
 from ..io.sources import MAX_TRANSFER, SourceFiles
 from ..job.consolidation import DEFAULT_BUFFER_SIZE, check_buffer_fits
 from ..job.exchange import ExchangeWriter

@@ -1,7 +1,8 @@
 """Files: reading shards, writing outputs and publishing the output directory.
 
 Shard reads (``sources``), output backends (``outputs``: POSIX; ``mpiio``: MPI-IO), the output
-directory's lock, staging and journaled publish (``outdir``), and the output formats (``formats``,
+directory (``outdir``: its ``lock``, the ``journal``ed publish and recovery; ``regular_files``: opening
+only regular files, bounded), and the output formats (``formats``,
 with ``hdf5``'s h5py layout). It may import :mod:`mpicons.core` and :mod:`mpicons.comm` (the
 communicator type, the signal deferral); only ``mpiio`` imports mpi4py.
 """

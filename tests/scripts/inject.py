@@ -24,7 +24,7 @@ import sys
 import time
 
 import mpicons.frontends.cli
-import mpicons.io.outdir
+import mpicons.io.journal
 import mpicons.job.consolidation
 import mpicons.job.writer
 
@@ -115,7 +115,7 @@ elif rank == victim:
             if how == "term":
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        mpicons.io.outdir.step_hook = hook
+        mpicons.io.journal.step_hook = hook
 
 sys.argv = ["mpicons", *args]
 mpicons.frontends.cli.run()
