@@ -132,11 +132,6 @@ def wait_for_all(comm: Comm, poll: float = 0.002) -> None:
         sleeping_wait(request, poll)
 
 
-def any_rank(comm: Comm, flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on any."""
-    return bool(comm.allreduce(int(flag), "max"))
-
-
 def _normalized(value: object) -> object:
     """A comparable form of an argument: paths as strings, options field by field, mappings sorted."""
     if isinstance(value, os.PathLike):

@@ -21,6 +21,11 @@ T = TypeVar("T")
 #: Reductions every implementation supports, on numbers and numpy arrays (element-wise).
 OPS = ("sum", "min", "max")
 
+#: Point-to-point tags, one per conversation that runs beside others, all here so none collide.
+TREE_REDUCTION_TAG = 7
+PROGRESS_TAG = 17
+EXCHANGE_TAG = 29
+
 
 @runtime_checkable
 class Request(Protocol):
@@ -99,7 +104,7 @@ def sleeping_wait(request: Request, poll: float = 0.002) -> None:
         time.sleep(poll)
 
 
-def tree_allreduce(comm: Communicator, obj: T, combine: Callable[[T, T], T], tag: int = 7) -> T:
+def tree_allreduce(comm: Communicator, obj: T, combine: Callable[[T, T], T], tag: int = TREE_REDUCTION_TAG) -> T:
     """Recursive halving of any picklable object over point-to-point messages, then a broadcast:
     for implementations without a tree reduction of objects (each rank holds at most two at once)."""
     import numpy as np
@@ -123,4 +128,14 @@ def tree_allreduce(comm: Communicator, obj: T, combine: Callable[[T, T], T], tag
     return comm.bcast(value if rank == 0 else None, root=0)  # type: ignore[return-value]
 
 
-__all__ = ["Communicator", "Request", "OPS", "wait_all", "sleeping_wait", "tree_allreduce"]
+__all__ = [
+    "Communicator",
+    "Request",
+    "OPS",
+    "TREE_REDUCTION_TAG",
+    "PROGRESS_TAG",
+    "EXCHANGE_TAG",
+    "wait_all",
+    "sleeping_wait",
+    "tree_allreduce",
+]

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..comm import Request, wait_all
 from ..comm.agreement import Comm
+from ..comm.base import EXCHANGE_TAG
 from ..comm.interrupts import pending_signal
 from ..core.engine import Assembler, Block, Direct, Runs, block_budget, blocks, coalesce, direct_pieces, place, plan_item
 from ..core.errors import Interrupted
@@ -33,7 +34,6 @@ from ..io.outputs import OutputBackend
 from ..io.sources import SourceFiles
 from .scan import exchange
 
-TAG = 29
 SEND_WINDOW = 2
 _REQUEST = np.dtype([("key", "<i8"), ("writer", "<i4"), ("file", "<i4"), ("src", "<i8"), ("length", "<i8")])
 _DIRECT = np.dtype([("file", "<i4"), ("out", "<i4"), ("src", "<i8"), ("offset", "<i8"), ("length", "<i8")])
@@ -188,7 +188,7 @@ class ExchangeWriter:
             target = buffer[position : position + length].data
             self._guard(functools.partial(self.sources.read_into, file, src, target))
             position += length
-        self.in_flight.append((self.comm.isend(buffer, int(reads["writer"][0]), TAG), slot))
+        self.in_flight.append((self.comm.isend(buffer, int(reads["writer"][0]), EXCHANGE_TAG), slot))
         self.sent += total
 
     def _write_block(self, block: Block) -> None:
@@ -200,7 +200,7 @@ class ExchangeWriter:
         requests, received, position = [], [], 0
         for holder, part_runs, (reads, placed) in plans:
             message = inbox[position : position + reads.total]
-            requests.append(self.comm.irecv(message, holder, TAG))
+            requests.append(self.comm.irecv(message, holder, EXCHANGE_TAG))
             received.append((part_runs, placed, message))
             position += reads.total
         target = self.assembler.target(block, self._out(block.size))

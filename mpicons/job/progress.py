@@ -22,12 +22,11 @@ from typing import TextIO
 import numpy as np
 
 from ..comm import Communicator, Request
+from ..comm.base import PROGRESS_TAG
 from ..core.errors import InputError
 from ..core.messages import PROGRESS
 from ..core.options import PROGRESS_STYLES, PROGRESS_VARIABLE
 from ..core.reports import human_bytes
-
-TAG = 17
 
 
 def _parent(pid: int) -> int:
@@ -173,7 +172,7 @@ class Progress:
         self._incoming = np.zeros((comm.size, 2), dtype=np.int64)
         self._receiving: dict[int, Request] = {}
         if comm.rank == 0:
-            self._receiving = {r: comm.irecv(self._incoming[r], r, TAG) for r in range(1, comm.size)}
+            self._receiving = {r: comm.irecv(self._incoming[r], r, PROGRESS_TAG) for r in range(1, comm.size)}
 
     def add(self, nbytes: int) -> None:
         """Called by the writer after every block; cheap unless a tick is due."""
@@ -209,7 +208,7 @@ class Progress:
                 return  # the previous report is still in flight: skip this one
             self._request.wait()
         self._outgoing[:] = (self.done, int(final))
-        self._request = self.comm.isend(self._outgoing, 0, TAG)
+        self._request = self.comm.isend(self._outgoing, 0, PROGRESS_TAG)
 
     def _poll(self) -> None:
         for source, request in list(self._receiving.items()):
@@ -220,7 +219,7 @@ class Progress:
                     self.finished[source] = True
                     del self._receiving[source]
                     break
-                request = self._receiving[source] = self.comm.irecv(self._incoming[source], source, TAG)
+                request = self._receiving[source] = self.comm.irecv(self._incoming[source], source, PROGRESS_TAG)
 
     def _maybe_print(self, now: float) -> None:
         due = 0.25 if self.bar else self.interval
