@@ -150,6 +150,8 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 #: The default buffer size as the options are written (``32M``).
 _BUFFER_SIZE_TEXT = f"{DEFAULT_BUFFER_SIZE >> 20}M"
+_MAPPING_HELP = "tensor → output file: {name: index} JSON or a model.safetensors.index.json"
+_SPLIT_HELP = "work split over ranks (default: %(default)s)"
 _INPUT_HELP = "the sharded checkpoint: shard-RRRRR-model-IIIII-of-NNNNN.safetensors files, or .metadata and .distcp files"
 
 
@@ -220,10 +222,8 @@ def _add_inspect_command(commands: Any) -> None:
     look = commands.add_parser("inspect", help="show tensors, shards, problems and each rank's work, writing nothing")
     look.add_argument("input_dir", help=_INPUT_HELP)
     look.add_argument("--ranks", type=_int_at_least(1), metavar="N", help="plan for N ranks (default: this job's size)")
-    look.add_argument(
-        "--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json"
-    )
-    look.add_argument("--split", choices=SPLITS, default=SPLITS[0], help="work split over ranks (default: %(default)s)")
+    look.add_argument("--mapping", metavar="FILE", help=_MAPPING_HELP)
+    look.add_argument("--split", choices=SPLITS, default=SPLITS[0], help=_SPLIT_HELP)
     look.add_argument("--dtype", choices=DTYPES, help="plan with floating-point tensors converted")
     look.add_argument("--max-shard-size", type=parse_size, metavar="SIZE", help="plan a Hugging Face re-sharding, e.g. 5GB")
     _add_selection_options(look)
@@ -261,9 +261,7 @@ def _selection(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_job_options(cmd: argparse.ArgumentParser) -> None:
-    cmd.add_argument(
-        "--mapping", metavar="FILE", help="tensor → output file: {name: index} JSON or a model.safetensors.index.json"
-    )
+    cmd.add_argument("--mapping", metavar="FILE", help=_MAPPING_HELP)
     cmd.add_argument("--dtype", choices=DTYPES, help="convert floating-point tensors (round to nearest even)")
     cmd.add_argument(
         "--max-shard-size",
@@ -286,7 +284,7 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
         metavar="RANK",
         help="write every output on this rank only (its local OUTPUT_DIR); data moves over MPI",
     )
-    cmd.add_argument("--split", choices=SPLITS, default=SPLITS[0], help="work split over ranks (default: %(default)s)")
+    cmd.add_argument("--split", choices=SPLITS, default=SPLITS[0], help=_SPLIT_HELP)
     cmd.add_argument("--io", choices=BACKENDS, default=BACKENDS[0], help="output backend (default: %(default)s)")
     cmd.add_argument("--hint", type=_hint, action="append", default=[], metavar="KEY=VALUE", help="MPI-IO hint (repeatable)")
     cmd.add_argument(
