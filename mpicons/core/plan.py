@@ -27,7 +27,7 @@ from .convert import converted_dtype
 from .errors import InputError
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
 from .names import INDEX_NAME, SINGLE_FILE_NAME, output_name, plain_file_name
-from .reports import count_of
+from .reports import Problem, count_of
 from .table import Pieces, ShardFiles, Table, missing_shards, shard_file_name  # noqa: F401 - re-exported
 
 #: What Hugging Face ``save_pretrained`` writes; transformers refuses files without it.
@@ -334,17 +334,18 @@ class Problems:
 
     def __init__(self, strict: bool) -> None:
         self.strict = strict
-        self.general: list[str] = []  # checkpoint-wide
-        self.by_tensor: dict[int, str] = {}
+        self.general: list[Problem] = []  # checkpoint-wide
+        self.by_tensor: dict[int, Problem] = {}
         self.holes: dict[int, Hole] = {}  # the tensors whose problem is a hole, to merge over ranks
 
-    def add(self, message: str, tensor: int | None = None, hole: Hole | None = None) -> None:
+    def add(self, problem: Problem, tensor: int | None = None, hole: Hole | None = None) -> None:
+        """Record ``problem`` (of tensor number ``tensor``, if any): the first per tensor is kept."""
         if self.strict:
-            raise InputError(message)
+            raise InputError(problem.message)
         if tensor is None:
-            self.general.append(message)
+            self.general.append(problem)
         elif tensor not in self.by_tensor:
-            self.by_tensor[tensor] = message
+            self.by_tensor[tensor] = problem
             if hole is not None:
                 self.holes[tensor] = hole
 
@@ -361,36 +362,40 @@ def check_files(files: ShardFiles, mapping: Mapping[str, str] | None, problems: 
     dcp = files.is_dcp
     if dcp.any() and not dcp.all():
         stray = files.names[int(np.argmin(dcp))]
-        problems.add(f"{stray}: not a DCP shard: its header has no DCP_SHARDING_INFO, unlike the other shard files")
+        message = f"{stray}: not a DCP shard: its header has no DCP_SHARDING_INFO, unlike the other shard files"
+        problems.add(Problem(message, kind="not dcp", files=(stray,)))
         return
     named = files.out_index >= 0
     if mapping is not None or not named.any():
         return  # file names do not decide the output
     if not named.all():
         stray = files.names[int(np.argmin(named))]
-        problems.add(
+        message = (
             f"{stray}: not named like a DCP shard (shard-RRRRR-model-IIIII-of-NNNNN.safetensors) among DCP shards, "
             "so its output file is unknown (rename it or give --mapping)"
         )
+        problems.add(Problem(message, kind="shard name", files=(stray,)))
         return
     count, index = files.out_count, files.out_index
     odd = np.nonzero(count != count[0])[0]
     if len(odd):
         f = int(odd[0])
-        problems.add(f"{files.names[f]}: names {count_of(int(count[f]), 'output file')} but {files.names[0]} names {count[0]}")
+        message = f"{files.names[f]}: names {count_of(int(count[f]), 'output file')} but {files.names[0]} names {count[0]}"
+        problems.add(Problem(message, kind="shard name", files=(files.names[f], files.names[0])))
         return
     outside = np.nonzero((index < 1) | (index > count))[0]
     if len(outside):
         f = int(outside[0])
-        problems.add(f"{files.names[f]}: output file index {index[f]} is outside 1..{count[f]}")
+        message = f"{files.names[f]}: output file index {index[f]} is outside 1..{count[f]}"
+        problems.add(Problem(message, kind="shard name", files=(files.names[f],)))
 
 
 def _agreement(files: ShardFiles, names: list[str], facts: TensorFacts, problems: Problems) -> set[int]:
     """Tensors whose pieces disagree on dtype or rank (each reported once)."""
     broken: set[int] = set()
-    for what, first, odd, show in (
-        ("dtype", facts.dtype_first, facts.dtype_odd, lambda v: DTYPES[v].name),
-        ("number of dimensions", facts.ndim_first, facts.ndim_odd, int),
+    for kind, what, first, odd, show in (
+        ("dtype", "dtype", facts.dtype_first, facts.dtype_odd, lambda v: DTYPES[v].name),
+        ("ndim", "number of dimensions", facts.ndim_first, facts.ndim_odd, int),
     ):
         assert odd is not None
         for t in np.flatnonzero(odd >= 0):
@@ -398,11 +403,11 @@ def _agreement(files: ShardFiles, names: list[str], facts: TensorFacts, problems
                 continue
             broken.add(int(t))
             (f1, v1), (f2, v2) = divmod(int(first[t]), _KEY), divmod(int(odd[t]), _KEY)
-            problems.add(
+            message = (
                 f"tensor {names[t]!r}: pieces disagree on {what}: "
-                f"{show(v1)} in {files.names[f1]} but {show(v2)} in {files.names[f2]}",
-                int(t),
+                f"{show(v1)} in {files.names[f1]} but {show(v2)} in {files.names[f2]}"
             )
+            problems.add(Problem(message, names[t], kind=kind, files=(files.names[f1], files.names[f2])), int(t))
     return broken
 
 
@@ -425,17 +430,21 @@ def tensor_table(files: ShardFiles, names: list[str], facts: TensorFacts, proble
             continue
         if facts.declared is not None and (facts.extent[t] > facts.declared[t]).any():
             reach = [int(x) for x in facts.extent[t][:rank]]
-            problems.add(f"tensor {name!r} (shape {list(shape)}): a piece reaches past its shape, to {reach}", t)
+            message = f"tensor {name!r} (shape {list(shape)}): a piece reaches past its shape, to {reach}"
+            problems.add(Problem(message, name, kind="extent"), t)
         elif facts.misaligned[t]:
-            problems.add(f"tensor {name!r}: {kind.name} pieces are not cut on byte boundaries of the last dimension", t)
+            message = f"tensor {name!r}: {kind.name} pieces are not cut on byte boundaries of the last dimension"
+            problems.add(Problem(message, name, kind="misaligned"), t)
         elif math.prod(int(x) for x in storage) * unit >= 2**62:
             elements = math.prod(tensors[t].shape)
+            short = int(facts.volume[t]) < math.prod(int(x) for x in storage)
             what = (
                 f"hole: pieces cover {int(facts.volume[t])} of {count_of(elements, 'element')}"
-                if int(facts.volume[t]) < math.prod(int(x) for x in storage)
+                if short
                 else f"{count_of(elements, 'element')}, more bytes than mpicons can address (2**62)"
             )
-            problems.add(f"tensor {name!r} (shape {list(tensors[t].shape)}): {what}", t)
+            message = f"tensor {name!r} (shape {list(tensors[t].shape)}): {what}"
+            problems.add(Problem(message, name, kind="hole" if short else "too large"), t)
     return tensors
 
 
@@ -449,11 +458,12 @@ def _assign_files(
         missing = sorted(set(names) - set(mapping))
         if missing:
             more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-            problems.add(f"{source}: no entry for tensor {missing[0]!r}{more}")
+            problems.add(Problem(f"{source}: no entry for tensor {missing[0]!r}{more}", kind="mapping"))
         extra = sorted(set(mapping) - set(names))
         if extra:
             more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
-            problems.add(f"{source}: names tensor {extra[0]!r}, which the checkpoint does not hold{more}")
+            message = f"{source}: names tensor {extra[0]!r}, which the checkpoint does not hold{more}"
+            problems.add(Problem(message, kind="mapping"))
         return [mapping.get(n, "?") for n in names]
     named = bool((files.out_index >= 0).any())
     count = int(files.out_count.max()) if named else 0
@@ -468,11 +478,11 @@ def _assign_files(
         result.append(name_of(f1, d1))
         if facts.dest_odd[t] >= 0:
             f2, d2 = divmod(int(facts.dest_odd[t]), _KEY)
-            problems.add(
+            message = (
                 f"tensor {name!r} has pieces destined for {name_of(f1, d1)} ({files.names[f1]}) and "
-                f"{name_of(f2, d2)} ({files.names[f2]})",
-                t,
+                f"{name_of(f2, d2)} ({files.names[f2]})"
             )
+            problems.add(Problem(message, name, kind="destination", files=(files.names[f1], files.names[f2])), t)
     return result
 
 
@@ -551,10 +561,10 @@ def build_layout(
     layout is still returned (broken tensors keep the first piece's dtype and the extent as shape)."""
     problems = Problems(strict=True) if problems is None else problems
     if mapping is not None and max_shard_size is not None:
-        problems.add("--mapping and --max-shard-size both decide the output files: give one")
+        problems.add(Problem("--mapping and --max-shard-size both decide the output files: give one", kind="options"))
         mapping = None
     if not names:
-        problems.add("the checkpoint holds no tensors")
+        problems.add(Problem("the checkpoint holds no tensors", kind="empty"))
     if split not in SPLITS:
         raise InputError(f"unknown split {split!r} (choose from {', '.join(SPLITS)})")
     if max_shard_size is not None and max_shard_size <= 0:
@@ -817,7 +827,7 @@ def copied_file_problem(
     held: np.ndarray,
     repeated: np.ndarray,
     examples: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]],
-) -> str | None:
+) -> Problem | None:
     """A shard file whose every non-empty piece repeats a piece of another file is a copy, not a rank's share.
 
     torch writes replicated tensors once, so a file of nothing but repeats was saved twice (e.g. under
@@ -831,10 +841,11 @@ def copied_file_problem(
     tensor, offset, shape, original = examples[f]
     info = layout.tensors[tensor]
     region = _element_region(info, offset, np.add(offset, shape))
-    return (
+    message = (
         f"{layout.source_files[f]}: every piece in it duplicates a piece of another shard file (tensor "
         f"{names[tensor]!r} at {region} is also in {layout.source_files[original]}); is it a copy saved under another name?"
     )
+    return Problem(message, kind="copy", region=region, files=(layout.source_files[f], layout.source_files[original]))
 
 
 def check_coverage(layout: Layout, part: Part, problems: Problems) -> None:
@@ -896,10 +907,10 @@ def _check_item(layout: Layout, part: Part, item: WorkItem, problems: Problems) 
         return
     if len(offset) == 0:
         if whole:
-            problems.add(f"{where}: no piece holds any data", item.tensor)
+            problems.add(Problem(f"{where}: no piece holds any data", tensor.name, kind="no data"), item.tensor)
         else:
             hole = Hole(tuple(low_box.tolist()), tuple(high_box.tolist()), expected)
-            problems.add(hole_message(tensor, hole, scope), item.tensor, hole)
+            problems.add(hole_problem(tensor, hole, scope), item.tensor, hole)
         return
     cuts = [np.unique(np.concatenate(([low_box[d], high_box[d]], offset[:, d], end[:, d]))) for d in range(rank)]
     grid = [len(c) - 1 for c in cuts]
@@ -926,38 +937,42 @@ def _check_item(layout: Layout, part: Part, item: WorkItem, problems: Problems) 
     if counts[tuple(cell)] == 0:
         low = tuple(int(cuts[d][cell[d]]) for d in range(rank))
         hole = Hole(low, tuple(int(cuts[d][cell[d] + 1]) for d in range(rank)), max(0, expected - covered))
-        problems.add(hole_message(tensor, hole, scope), item.tensor, hole)
+        problems.add(hole_problem(tensor, hole, scope), item.tensor, hole)
         return
     holding = np.all((lo <= cell) & (cell < hi), axis=1)
     # The region all holders share, whole: the same whatever rows this item (and so this job size) has.
     shared_low = full_pieces.offset[holding, :rank].max(axis=0)
     shared_high = (full_pieces.offset[holding, :rank] + full_pieces.shape[holding, :rank]).min(axis=0)
     region = _element_region(tensor, shared_low, shared_high)
+    holding_files = [layout.source_files[f] for f in full_pieces.file[holding]]
     holders = ", ".join(
-        f"{layout.source_files[f]} at {_element_region(tensor, o, o + s)}"
-        for f, o, s in zip(full_pieces.file[holding], full_pieces.offset[holding, :rank], full_pieces.shape[holding, :rank])
+        f"{name} at {_element_region(tensor, o, o + s)}"
+        for name, o, s in zip(holding_files, full_pieces.offset[holding, :rank], full_pieces.shape[holding, :rank])
     )
-    problems.add(f"{where}: overlap: region {region} is covered by {int(holding.sum())} pieces: {holders}", item.tensor)
+    message = f"{where}: overlap: region {region} is covered by {int(holding.sum())} pieces: {holders}"
+    problems.add(Problem(message, tensor.name, kind="overlap", region=region, files=tuple(holding_files)), item.tensor)
 
 
-def hole_message(tensor: Tensor, hole: Hole, scope: str) -> str:
+def hole_problem(tensor: Tensor, hole: Hole, scope: str) -> Problem:
+    """The problem of a region no piece covers, ``scope`` saying where the missing count was taken."""
     where = f"tensor {tensor.name!r} (shape {list(tensor.shape)})"
     missing = f" ({count_of(hole.missing, 'element')} missing {scope})" if hole.missing else ""
-    return f"{where}: hole: no piece covers region {_element_region(tensor, hole.low, hole.high)}{missing}"
+    region = _element_region(tensor, hole.low, hole.high)
+    return Problem(f"{where}: hole: no piece covers region {region}{missing}", tensor.name, kind="hole", region=region)
 
 
-def merge_problems(layout: Layout, found: Sequence[tuple[dict[int, str], dict[int, Hole]]]) -> dict[int, str]:
+def merge_problems(layout: Layout, found: Sequence[tuple[dict[int, Problem], dict[int, Hole]]]) -> dict[int, Problem]:
     """One message per tensor from every rank's findings (in rank order), the same whatever the job size.
 
     A hole that crosses the rows of several ranks is found in pieces, one per rank: when each rank's
     finding is a hole over the same columns and their rows meet, the message names the whole hole.
     Otherwise the lowest rank's (the first rows') finding stands.
     """
-    messages: dict[int, str] = {}
+    merged: dict[int, Problem] = {}
     holes: dict[int, list[Hole | None]] = {}
     for by_tensor, rank_holes in found:
-        for t, message in by_tensor.items():
-            messages.setdefault(t, message)
+        for t, problem in by_tensor.items():
+            merged.setdefault(t, problem)
             holes.setdefault(t, []).append(rank_holes.get(t))
     for t, parts in holes.items():
         if len(parts) < 2 or not all(parts):
@@ -967,8 +982,8 @@ def merge_problems(layout: Layout, found: Sequence[tuple[dict[int, str], dict[in
         joined = all(a.high[0] == b.low[0] and (a.low[1:], a.high[1:]) == (b.low[1:], b.high[1:]) for a, b in meet)
         if joined:  # every rank with a problem in this tensor found this hole: their counts add up to all that is missing
             whole = Hole(pieces[0].low, (pieces[-1].high[0], *pieces[0].high[1:]), sum(h.missing for h in pieces))
-            messages[t] = hole_message(layout.tensors[t], whole, "overall")
-    return messages
+            merged[t] = hole_problem(layout.tensors[t], whole, "overall")
+    return merged
 
 
 def _check_pairwise(
@@ -992,14 +1007,17 @@ def _check_pairwise(
         pairs = np.argwhere(hit)
         if len(pairs):
             i, j = i0 + pairs[0][0], pairs[0][1]
-            problems.add(
-                f"{where}: overlap: piece {_element_region(tensor, offset[i], end[i])} in {layout.source_files[files[i]]} "
-                f"overlaps piece {_element_region(tensor, offset[j], end[j])} in {layout.source_files[files[j]]}",
-                t,
+            first, second = layout.source_files[files[i]], layout.source_files[files[j]]
+            region = _element_region(tensor, offset[i], end[i])
+            message = (
+                f"{where}: overlap: piece {region} in {first} "
+                f"overlaps piece {_element_region(tensor, offset[j], end[j])} in {second}"
             )
+            problems.add(Problem(message, tensor.name, kind="overlap", region=region, files=(first, second)), t)
             return
     if covered != expected:
-        problems.add(f"{where}: hole: pieces cover {covered} of {count_of(expected, 'element')} {scope}", t)
+        message = f"{where}: hole: pieces cover {covered} of {count_of(expected, 'element')} {scope}"
+        problems.add(Problem(message, tensor.name, kind="hole"), t)
 
 
 # ---------------------------------------------------------------- everything in one process
@@ -1048,5 +1066,5 @@ def build_plan(
         {f: e for p in reversed(parts) for f, e in p.examples.items()},
     )
     if problem:
-        raise InputError(problem)
+        raise InputError(problem.message)
     return Plan(layout, parts)

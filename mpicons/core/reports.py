@@ -4,30 +4,41 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class Problem:
-    """One thing wrong: what, the tensor it concerns (if any), and the file it was found in (if any).
+    """One thing wrong, as a value carried from where it is found to where it is reported.
 
-    Shown as ``path: tensor 'name': what`` when it has a file, else as ``what`` alone (a plan's
-    message names its tensor and files itself).
+    ``message`` is the text shown; ``kind`` (``hole``, ``overlap``, ``dtype``, ...) lets a caller act on
+    the problem without reading that text; ``tensor`` and ``path`` are what it concerns (if any);
+    ``region`` and ``files`` are the element region and the shard files it names. Shown as
+    ``path: tensor 'name': message`` when it has a path, else as ``message`` alone (a plan's message
+    names its tensor and files itself).
     """
 
-    what: str
+    message: str
     tensor: str | None = None
     path: str | None = None
+    kind: str = field(default="other", kw_only=True)
+    region: str | None = field(default=None, kw_only=True)
+    files: tuple[str, ...] = field(default=(), kw_only=True)
+
+    @property
+    def what(self) -> str:
+        """The message, under the name reports have always used for it."""
+        return self.message
 
     def __str__(self) -> str:
         if self.path is None:
-            return self.what
+            return self.message
         if self.tensor is None:
-            return f"{self.path}: {self.what}"
-        return f"{self.path}: tensor {self.tensor!r}: {self.what}"
+            return f"{self.path}: {self.message}"
+        return f"{self.path}: tensor {self.tensor!r}: {self.message}"
 
     def to_dict(self) -> dict[str, object]:
-        return {"path": self.path, "tensor": self.tensor, "what": self.what}
+        return {"path": self.path, "tensor": self.tensor, "what": self.message}
 
 
 def human_bytes(count: float) -> str:

@@ -230,7 +230,7 @@ def inspect(
     problems = Problems(strict=False)
     position = {name: t for t, name in enumerate(scanned.names)}
     for name in sorted(scanned.unreadable):
-        problems.add(scanned.unreadable[name], position[name])
+        problems.add(Problem(scanned.unreadable[name], name, kind="unreadable"), position[name])
     layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, problems))
     file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
     comm.allreduce_array(file_pieces, "sum")
@@ -294,7 +294,7 @@ def describe(
             layout.files[info.file].name,
             info.nbytes,
             int(kept[t]) if planned else None,
-            problems.by_tensor.get(t),
+            problems.by_tensor[t].message if t in problems.by_tensor else None,
         )
         for t, info in enumerate(layout.tensors)
     ]
@@ -308,11 +308,8 @@ def describe(
             work = tuple((layout.tensors[i.tensor].name, i.row_begin, i.row_end, layout.item_bytes(i)) for i in items)
             touched = sorted({layout.tensors[i.tensor].file for i in items})
             per_rank.append(RankInfo(rank, sum(w[3] for w in work), tuple(layout.files[f].name for f in touched), work))
-    listed = [Problem(message) for message in problems.general]
-    listed += [
-        Problem(problems.by_tensor[t], layout.tensors[t].name)
-        for t in sorted(problems.by_tensor, key=lambda t: natural_key(layout.tensors[t].name))
-    ]
+    listed = [*problems.general]
+    listed += [problems.by_tensor[t] for t in sorted(problems.by_tensor, key=lambda t: natural_key(layout.tensors[t].name))]
     tensors.sort(key=lambda info: natural_key(info.name))
     return InspectReport(
         input_dir=input_dir,

@@ -489,14 +489,16 @@ def distribute(comm: Comm, scanned: Scanned, layout: Layout, problems: Problems 
     by_tensor = merge_problems(layout, comm.allgather((local.by_tensor, local.holes)))
     if copied or by_tensor:
         hint = _missing_hint(scanned.files.names)
-        annotated = {t: m + (hint if ": hole" in m or ": overlap" in m else "") for t, m in sorted(by_tensor.items())}
+        annotated = {
+            t: replace(p, message=p.message + hint) if p.kind in ("hole", "overlap") else p for t, p in sorted(by_tensor.items())
+        }
         if not collect:
-            raise InputError(copied or next(iter(annotated.values())))
+            raise InputError((copied or next(iter(annotated.values()))).message)
         assert problems is not None
         if copied:
             problems.general.append(copied)
-        for t, message in annotated.items():
-            problems.by_tensor.setdefault(t, message)
+        for t, problem in annotated.items():
+            problems.by_tensor.setdefault(t, problem)
     return part
 
 
