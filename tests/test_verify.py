@@ -464,11 +464,11 @@ def test_fifos_and_directories_in_place_of_files_are_reported_unopened(mpi_tmp_p
 
 def test_an_index_over_the_size_limit_is_not_read(tmp_path, monkeypatch):
     from mpicons.comm import SingleProcess
-    from mpicons.frontends import verification
+    from mpicons.frontends import output_reading
 
     out = tmp_path / "out"
     mpicons.consolidate(EDGE, out, comm=SingleProcess())
-    monkeypatch.setattr(verification, "MAX_INDEX_SIZE", 100)
+    monkeypatch.setattr(output_reading, "MAX_INDEX_SIZE", 100)
     report = verify(out, comm=SingleProcess())
     assert [(os.path.basename(p.path), p.what) for p in report.problems] == [
         (INDEX, "index is larger than the 100-byte limit (not an index?)")

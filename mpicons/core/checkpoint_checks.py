@@ -1,0 +1,338 @@
+"""Checks of a consolidated checkpoint's structure and of its comparison with the shards (pure).
+
+Given what was read (the listing, the index, each file's tensors) or compared (differences per
+tensor), these say what is wrong as :class:`~mpicons.core.reports.Problem` values, the same on
+every rank: no file is opened here, no communicator used. ``verify`` reads and compares; this
+decides and words.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .convert import TARGETS
+from .format import DTYPE_BY_NAME
+from .names import INDEX_NAME, plain_file_name
+from .plan import Layout
+from .reports import Problem, human_bytes
+from .reports import count_of as _count
+
+
+def file_problem(path: str, tensor: str | None, what: str) -> Problem:
+    """A problem found in a file of the checkpoint (or its index)."""
+    return Problem(what, tensor, path)
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify`; identical on every rank. ``ok`` when ``problems`` is empty."""
+
+    output_dir: str
+    against: str | None
+    ranks: int
+    files: list[str]
+    tensors: int
+    total_bytes: int
+    shard_tensors: int = 0
+    compared_tensors: int = 0
+    compared_bytes: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    #: Entries not read: not regular files (links unless followed, FIFOs, devices), or a lock mpicons
+    #: cannot read as its own. The directory cannot be checked as it is (the command line exits 2).
+    refused: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def lines(self) -> list[str]:
+        """One line per problem: ``path: tensor 'x': what``."""
+        return [str(p) for p in self.problems]
+
+    def summary(self) -> str:
+        status = "OK" if self.ok else _count(len(self.problems), "problem")
+        checked = f"{_count(len(self.files), 'file')}, {_count(self.tensors, 'tensor')}, {human_bytes(self.total_bytes)}"
+        if self.against is not None:
+            checked += (
+                f"; {self.compared_tensors} of {_count(self.shard_tensors, 'tensor')} ({human_bytes(self.compared_bytes)}) "
+                f"compared with {self.against}"
+            )
+        if self.refused:
+            checked += f"; {_count(len(self.refused), 'entry', 'entries')} not read (see above)"
+        return f"mpicons verify: {status}: {self.output_dir} ({checked}) on {_count(self.ranks, 'rank')}"
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "output_dir": self.output_dir,
+            "against": self.against,
+            "ranks": self.ranks,
+            "files": list(self.files),
+            "tensors": self.tensors,
+            "total_bytes": self.total_bytes,
+            "shard_tensors": self.shard_tensors,
+            "compared_tensors": self.compared_tensors,
+            "compared_bytes": self.compared_bytes,
+            "problems": [p.to_dict() for p in self.problems],
+            "refused": list(self.refused),
+        }
+
+
+# ---------------------------------------------------------------- what was found
+
+
+@dataclass
+class Listing:
+    """What rank 0 found in the directory and the index, shared with every rank."""
+
+    found: list[str]  # regular, non-hidden *.safetensors files
+    leftovers: list[str]  # staging directories of interrupted consolidations
+    weight_map: dict[str, str] | None
+    total_size: int | None
+    listed_existing: list[str]  # files named by the weight map that are regular files (any extension)
+    listed_missing: list[str]
+    problems: list[Problem]
+    sharded: bool = False  # the directory is a sharded checkpoint, not a consolidated one
+    refused: list[str] = field(default_factory=list)  # present but not opened: links, FIFOs, devices
+    hdf5: FileResult | None = None  # the datasets of an HDF5 output (``--format hdf5``)
+
+
+@dataclass
+class FileResult:
+    """One output file's header: its tensors ``(name, dtype, shape, begin, end)``, None when unreadable."""
+
+    name: str
+    tensors: list[tuple[str, str, tuple[int, ...], int, int]] | None
+    data_start: int
+    problems: list[Problem]
+    refused: bool = False  # not opened: not a regular file (or a link not followed)
+
+
+@dataclass(frozen=True)
+class Located:
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int  # absolute offset of the tensor's data in its file
+    nbytes: int
+
+
+@dataclass
+class Diff:
+    """Differences found in part of one tensor: how many storage units, and the first one (C order)."""
+
+    count: int = 0
+    first: tuple[int, ...] | None = None
+    got: bytes = b""
+    want: bytes = b""
+    error: str | None = None
+
+    def add(self, count: int, first: tuple[int, ...], got: bytes, want: bytes) -> None:
+        self.count += count
+        if self.first is None or first < self.first:
+            self.first, self.got, self.want = first, got, want
+
+    def merge(self, other: Diff) -> None:
+        if other.count:
+            self.add(other.count, other.first, other.got, other.want)  # type: ignore[arg-type]
+        self.error = self.error or other.error
+
+
+def parse_index(index_path: str, obj: object) -> tuple[dict[str, str] | None, int | None, list[Problem]]:
+    """The weight map (plain file names only) and total size of a parsed index, leniently."""
+    problems: list[Problem] = []
+    weight_map: dict[str, str] | None = None
+    raw_map = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(raw_map, dict):
+        problems.append(file_problem(index_path, None, "index has no weight_map object"))
+    else:
+        weight_map = {}
+        for tensor, file_name in raw_map.items():
+            if plain_file_name(file_name):
+                weight_map[tensor] = file_name
+            else:
+                problems.append(file_problem(index_path, tensor, f"weight_map value {file_name!r} is not a plain file name"))
+    metadata = obj.get("metadata") if isinstance(obj, dict) else None
+    size = metadata.get("total_size") if isinstance(metadata, dict) else None
+    if type(size) is not int:
+        problems.append(file_problem(index_path, None, f"index has no integer metadata.total_size (got {size!r})"))
+        size = None
+    return weight_map, size, problems
+
+
+_TENSOR_PREFIX = re.compile(r"""^tensor ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"): (.*)$""", re.DOTALL)
+
+
+def _strip_path(message: str, path: str) -> str:
+    """mpicons errors start with the path; a Problem keeps the path apart."""
+    prefix = f"{path}: "
+    return message[len(prefix) :] if message.startswith(prefix) else message
+
+
+def header_problem(path: str, message: str) -> Problem:
+    """A header error as a Problem, with the tensor it names (if any) in its own field."""
+    what = _strip_path(message, path)
+    match = _TENSOR_PREFIX.match(what)
+    if match:
+        try:
+            return file_problem(path, ast.literal_eval(match.group(1)), match.group(2))
+        except (ValueError, SyntaxError):
+            pass
+    return file_problem(path, None, what)
+
+
+def cross_check(output_dir: str, listing: Listing, results: list[FileResult]) -> tuple[dict[str, Located], list[Problem]]:
+    """Where every tensor is, and the problems between the files and the index (pure, same on every rank)."""
+    join = lambda name: os.path.join(output_dir, name)  # noqa: E731
+    index_path = join(INDEX_NAME)
+    problems = list(listing.problems) + [p for r in results for p in r.problems]
+    located: dict[str, Located] = {}
+    listed = set(listing.weight_map.values()) if listing.weight_map is not None else set()
+    # Files the index lists come first, so a tensor duplicated in a stray file is located where it belongs.
+    for result in sorted(results, key=lambda r: (r.name not in listed, r.name)):
+        for tensor, dtype, shape, begin, end in result.tensors or ():
+            if tensor in located:
+                problems.append(
+                    file_problem(join(result.name), tensor, f"also in {located[tensor].file}; a tensor must be in one file")
+                )
+                continue
+            located[tensor] = Located(result.name, dtype, shape, result.data_start + begin, end - begin)
+    problems += [
+        file_problem(
+            join(n),
+            None,
+            "left by an interrupted consolidation; the next 'mpicons consolidate' into this directory finishes or undoes it",
+        )
+        for n in listing.leftovers
+    ]
+    weight_map = listing.weight_map
+    if weight_map is None:
+        return located, problems
+    counts: dict[str, int] = {}
+    for file_name in weight_map.values():
+        counts[file_name] = counts.get(file_name, 0) + 1
+    problems += [file_problem(join(n), None, "not listed in the index (stray file)") for n in listing.found if n not in listed]
+    problems += [
+        file_problem(join(n), None, f"listed in the index for {_count(counts[n], 'tensor')} but missing")
+        for n in listing.listed_missing
+    ]
+    readable = {r.name for r in results if r.tensors is not None}
+    for tensor, file_name in weight_map.items():
+        where = located.get(tensor)
+        if where is None:
+            if file_name in readable:
+                problems.append(file_problem(index_path, tensor, f"weight_map names {file_name}, which does not hold the tensor"))
+        elif where.file != file_name:
+            problems.append(file_problem(index_path, tensor, f"weight_map names {file_name} but the tensor is in {where.file}"))
+    for tensor, where in located.items():
+        if tensor not in weight_map and where.file in listed:
+            problems.append(file_problem(join(where.file), tensor, "not in the index's weight_map"))
+    if listing.total_size is not None and listed <= readable:
+        actual = sum(w.nbytes for w in located.values() if w.file in listed)
+        if actual != listing.total_size:
+            problems.append(
+                file_problem(
+                    index_path,
+                    None,
+                    f"metadata.total_size is {listing.total_size} but the files hold {actual} bytes of tensor data",
+                )
+            )
+    return located, problems
+
+
+def _element_index(storage_index: tuple[int, ...], dtype: str, ndim: int) -> list[int]:
+    """A storage-unit index as an element index: padding dims dropped, sub-byte last dims in elements."""
+    index = list(storage_index[:ndim])
+    bits = DTYPE_BY_NAME[dtype].bits
+    if bits % 8 and index:
+        index[-1] = index[-1] * 8 // bits
+    return index
+
+
+def against_checks(
+    plan: Layout, against: str, output_dir: str, listing: Listing, results: list[FileResult], located: dict[str, Located]
+) -> tuple[set[int], list[Problem]]:
+    """Tensors present on both sides with the same dtype and shape (comparable), and the problems of the rest."""
+    join = lambda name: os.path.join(output_dir, name)  # noqa: E731
+    unreadable = set(listing.listed_missing) | set(listing.refused) | {r.name for r in results if r.tensors is None}
+    weight_map = listing.weight_map or {}
+    sole = results[0].name if listing.weight_map is None and len(results) == 1 else None  # model.safetensors, model.h5
+    problems: list[Problem] = []
+    comparable: set[int] = set()
+    names = set()
+    for t, info in enumerate(plan.tensors):
+        names.add(info.name)
+        where = located.get(info.name)
+        if where is None:
+            if weight_map.get(info.name, sole) not in unreadable:  # else its file's problem says it all
+                problems.append(
+                    file_problem(output_dir, info.name, f"in the shards ({info.dtype}{list(info.shape)}) but in no output file")
+                )
+        elif (where.dtype, where.shape) != (info.dtype, info.shape):
+            problems.append(
+                file_problem(
+                    join(where.file),
+                    info.name,
+                    f"is {where.dtype}{list(where.shape)} but the shards hold {info.dtype}{list(info.shape)}",
+                )
+            )
+        else:
+            comparable.add(t)
+    for tensor, where in located.items():
+        if tensor not in names:
+            problems.append(file_problem(join(where.file), tensor, f"not in the shards in {against}"))
+    hint = _dtype_hint(plan, located)
+    if hint:
+        problems.append(file_problem(output_dir, None, hint))
+    return comparable, problems
+
+
+def _dtype_hint(plan: Layout, located: dict[str, Located]) -> str | None:
+    """When every float tensor that differs in dtype was turned into one dtype, the output was written with --dtype."""
+    targets = {v: k for k, v in TARGETS.items()}
+    changed = {
+        (info.dtype, located[info.name].dtype)
+        for info in plan.tensors
+        if info.name in located
+        and located[info.name].shape == info.shape
+        and located[info.name].dtype != info.dtype
+        and DTYPE_BY_NAME[info.dtype].is_float
+    }
+    written = {after for _, after in changed}
+    if len(written) != 1 or next(iter(written)) not in targets:
+        return None
+    dtype = next(iter(written))
+    was = "/".join(sorted(before for before, _ in changed))
+    if plan.tensors and any(t.source_dtype != t.dtype for t in plan.tensors):
+        return None  # verify was given --dtype already
+    return (
+        f"the output's floating-point tensors are {dtype} where the shards hold {was}: if it was written "
+        f"with --dtype {targets[dtype]}, verify with --dtype {targets[dtype]}"
+    )
+
+
+def diff_problems(plan: Layout, output_dir: str, located: dict[str, Located], diffs: dict[int, Diff]) -> list[Problem]:
+    problems = []
+    for t in sorted(diffs):
+        diff, info = diffs[t], plan.tensors[t]
+        path = os.path.join(output_dir, located[info.name].file)
+        if diff.error:
+            problems.append(file_problem(path, info.name, diff.error))
+        if diff.count:
+            units = int(np.prod(info.storage, dtype=np.int64))
+            noun = "elements" if info.unit * 8 == DTYPE_BY_NAME[info.dtype].bits else "bytes"
+            index = _element_index(diff.first, info.dtype, len(info.shape))  # type: ignore[arg-type]
+            problems.append(
+                file_problem(
+                    path,
+                    info.name,
+                    f"differs from the shards in {diff.count} of {units} {noun}; first at {index} "
+                    f"(output bytes {diff.got.hex()}, shards {diff.want.hex()})",
+                )
+            )
+    return problems
