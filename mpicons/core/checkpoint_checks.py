@@ -8,15 +8,14 @@ decides and words.
 
 from __future__ import annotations
 
-import ast
 import os
-import re
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .convert import TARGETS
-from .format import DTYPE_BY_NAME
+from .errors import InputError
+from .format import DTYPE_BY_NAME, TensorHeaderError
 from .names import INDEX_NAME, plain_file_name
 from .plan import Layout
 from .reports import Problem, human_bytes
@@ -165,25 +164,12 @@ def parse_index(index_path: str, obj: object) -> tuple[dict[str, str] | None, in
     return weight_map, size, problems
 
 
-_TENSOR_PREFIX = re.compile(r"""^tensor ('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*"): (.*)$""", re.DOTALL)
-
-
-def _strip_path(message: str, path: str) -> str:
-    """mpicons errors start with the path; a Problem keeps the path apart."""
-    prefix = f"{path}: "
-    return message[len(prefix) :] if message.startswith(prefix) else message
-
-
-def header_problem(path: str, message: str) -> Problem:
-    """A header error as a Problem, with the tensor it names (if any) in its own field."""
-    what = _strip_path(message, path)
-    match = _TENSOR_PREFIX.match(what)
-    if match:
-        try:
-            return file_problem(path, ast.literal_eval(match.group(1)), match.group(2))
-        except (ValueError, SyntaxError):
-            pass
-    return file_problem(path, None, what)
+def header_problem(path: str, error: InputError) -> Problem:
+    """A header error as a Problem: the tensor it concerns (if any) carried as a value, the path apart."""
+    if isinstance(error, TensorHeaderError):
+        return file_problem(path, error.tensor, error.what)
+    message, prefix = str(error), f"{path}: "
+    return file_problem(path, None, message[len(prefix) :] if message.startswith(prefix) else message)
 
 
 def cross_check(output_dir: str, listing: Listing, results: list[FileResult]) -> tuple[dict[str, Located], list[Problem]]:

@@ -121,6 +121,21 @@ def _bad(path: str, what: str) -> InputError:
     return InputError(f"{path}: {what}")
 
 
+class TensorHeaderError(InputError):
+    """A header entry that breaks the rules, with its tensor kept as a value beside the message."""
+
+    def __init__(self, path: str, tensor: str, what: str) -> None:
+        super().__init__(f"{path}: tensor {tensor!r}: {what}")
+        self.path, self.tensor, self.what = path, tensor, what
+
+    def __reduce__(self) -> tuple[type[TensorHeaderError], tuple[str, str, str]]:
+        return type(self), (self.path, self.tensor, self.what)
+
+
+def _bad_tensor(path: str, tensor: str, what: str) -> TensorHeaderError:
+    return TensorHeaderError(path, tensor, what)
+
+
 #: serde_json, which the reference reader parses with, refuses 128 or more nested arrays and objects.
 MAX_JSON_DEPTH = 127
 #: The reference reader computes element and bit counts in 64-bit unsigned integers.
@@ -144,11 +159,11 @@ def _check_ignored(value: object, depth: int, path: str, name: str) -> None:
     """A field the reader ignores must still be what the reference reader parses: finite numbers,
     valid Unicode, nesting within serde_json's limit."""
     if depth > MAX_JSON_DEPTH:
-        raise _bad(path, f"tensor {name!r}: header nests more than {MAX_JSON_DEPTH} levels")
+        raise _bad_tensor(path, name, f"header nests more than {MAX_JSON_DEPTH} levels")
     if isinstance(value, float) and not math.isfinite(value):
-        raise _bad(path, f"tensor {name!r}: header holds a number out of range")
+        raise _bad_tensor(path, name, "header holds a number out of range")
     if type(value) is int and value.bit_length() > 1023 and not _float_range(value):
-        raise _bad(path, f"tensor {name!r}: header holds a number out of range")
+        raise _bad_tensor(path, name, "header holds a number out of range")
     if isinstance(value, str):
         _check_text(value, path)
     elif isinstance(value, list):
@@ -218,14 +233,15 @@ def parse_header(raw: bytes, file_size: int, path: str = "<bytes>") -> Header:
     for entry in ordered:
         if entry.begin != position:
             kind = "overlaps the previous tensor" if entry.begin < position else "leaves a gap before it"
-            raise _bad(path, f"tensor {entry.name!r}: data_offsets {entry.begin}..{entry.end} {kind} (expected start {position})")
+            raise _bad_tensor(path, entry.name, f"data_offsets {entry.begin}..{entry.end} {kind} (expected start {position})")
         position = entry.end
     if data_start + position > file_size:
         # Name the first tensor whose bytes are missing: that is what a truncated file has lost.
         cut = next(e for e in ordered if data_start + e.end > file_size)
-        raise _bad(
+        raise _bad_tensor(
             path,
-            f"tensor {cut.name!r}: data_offsets {cut.begin}..{cut.end} run past the end of the file "
+            cut.name,
+            f"data_offsets {cut.begin}..{cut.end} run past the end of the file "
             f"({file_size} bytes, the header describes {data_start + position}; truncated?)",
         )
     if data_start + position < file_size:
@@ -235,38 +251,39 @@ def parse_header(raw: bytes, file_size: int, path: str = "<bytes>") -> Header:
 
 def _parse_entry(path: str, name: str, info: object) -> TensorEntry:
     if not isinstance(info, dict):
-        raise _bad(path, f"tensor {name!r}: entry is not an object")
+        raise _bad_tensor(path, name, "entry is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
     for field, value in info.items():
         if field not in ("dtype", "shape", "data_offsets"):
             _check_ignored(value, 3, path, name)
     if type(dtype) is not str or dtype not in DTYPE_BY_NAME:
-        raise _bad(path, f"tensor {name!r}: unknown dtype {_short(dtype)}")
+        raise _bad_tensor(path, name, f"unknown dtype {_short(dtype)}")
     if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < MAX_DIM for d in shape):
-        raise _bad(path, f"tensor {name!r}: shape {_short(shape)} is not a list of non-negative 64-bit integers")
+        raise _bad_tensor(path, name, f"shape {_short(shape)} is not a list of non-negative 64-bit integers")
     if len(shape) > MAX_NDIM:
-        raise _bad(path, f"tensor {name!r}: {len(shape)} dimensions (mpicons handles at most {MAX_NDIM}, numpy's limit)")
+        raise _bad_tensor(path, name, f"{len(shape)} dimensions (mpicons handles at most {MAX_NDIM}, numpy's limit)")
     elements = 1
     for dim in shape:  # as the reference reader multiplies: left to right, in 64 bits
         elements *= dim
         if elements >= _U64:
-            raise _bad(path, f"tensor {name!r}: shape {shape} overflows 64 bits")
+            raise _bad_tensor(path, name, f"shape {shape} overflows 64 bits")
     if elements * DTYPE_BY_NAME[dtype].bits >= _U64:
-        raise _bad(path, f"tensor {name!r}: shape {shape} of {dtype} overflows 64 bits")
+        raise _bad_tensor(path, name, f"shape {shape} of {dtype} overflows 64 bits")
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
         or not all(type(o) is int and o >= 0 for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise _bad(path, f"tensor {name!r}: data_offsets {_short(offsets)} is not [begin, end]")
+        raise _bad_tensor(path, name, f"data_offsets {_short(offsets)} is not [begin, end]")
     expected = nbytes_of(dtype, shape)
     if expected is None:
-        raise _bad(path, f"tensor {name!r}: shape {shape} of {dtype} is not a whole number of bytes")
+        raise _bad_tensor(path, name, f"shape {shape} of {dtype} is not a whole number of bytes")
     if offsets[1] - offsets[0] != expected:
-        raise _bad(
+        raise _bad_tensor(
             path,
-            f"tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}",
+            name,
+            f"data_offsets span {offsets[1] - offsets[0]} bytes but shape {shape} of {dtype} needs {expected}",
         )
     return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
 

@@ -274,7 +274,7 @@ def check_file(output_dir: str, name: str, follow_links: bool) -> FileResult:
     except Unreadable as exc:
         return FileResult(name, None, 0, [file_problem(path, None, exc.what)], refused=isinstance(exc, Refused))
     except InputError as exc:
-        return FileResult(name, None, 0, [header_problem(path, str(exc))])
+        return FileResult(name, None, 0, [header_problem(path, exc)])
     except OSError as exc:
         return FileResult(name, None, 0, [file_problem(path, None, f"cannot read ({exc.strerror})")])
     problems = []
