@@ -557,3 +557,19 @@ def test_hdf5_output_with_dtype_and_a_broken_file(mpi_tmp_path):
     report = _verify(comm, out, against=EDGE)
     assert _has(report, "model.h5", None, "is not an HDF5 file h5py can read"), report.lines()
     assert not any("in no output file" in p.what for p in report.problems)
+
+
+def test_verify_takes_the_options_of_the_consolidation(tmp_path):
+    """The Options a checkpoint was written with verify it; keyword arguments change single fields."""
+    from mpicons.comm import SingleProcess
+    from mpicons.core.options import Options
+
+    out = tmp_path / "out"
+    written = Options(dtype="bf16", exclude=("*bias*",))
+    mpicons.consolidate(EDGE, out, written, comm=SingleProcess())
+    assert verify(out, written, against=EDGE, comm=SingleProcess()).ok
+    assert verify(out, against=EDGE, comm=SingleProcess(), dtype="bf16", exclude="*bias*").ok
+    changed = verify(out, written, against=EDGE, comm=SingleProcess(), exclude=())
+    assert not changed.ok  # the excluded tensors are in the shards but in no output file
+    with pytest.raises(TypeError, match="unknown option"):
+        verify(out, comm=SingleProcess(), buffer=1)
