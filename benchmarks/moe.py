@@ -63,7 +63,7 @@ def ensure_sample(workdir: Path, size: int, training_ranks: int) -> tuple[Path, 
 
 
 def pieces(directory: Path) -> int:
-    from mpicons.core.table import read_table
+    from mpicons.core.headers import read_table
 
     return len(read_table(str(directory)).pieces)
 

@@ -3,7 +3,7 @@
 Each case copies a real torch-written checkpoint, breaks one thing, and runs the command line
 under ``mpiexec`` at 1 and 3 ranks. At 3 ranks rank r reads files r, r+3, ... of the sorted list,
 so the broken file is chosen to be read by a rank other than 0: its error must still end every
-rank. The last part fuzzes ``table.read_table`` (and the plan built from it) with mutated
+rank. The last part fuzzes ``headers.read_table`` (and the plan built from it) with mutated
 ``DCP_SHARDING_INFO``.
 """
 
@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mpicons.core.errors import InputError
+from mpicons.core.headers import read_table
 from mpicons.core.plan import build_plan
-from mpicons.core.table import read_table
 from mpicons.frontends.cli import main
 
 SOURCE = FIXTURES / "edge-3ranks" / "sharded"

@@ -32,7 +32,8 @@ from helpers import (
 from mpi4py import MPI
 
 import mpicons
-from mpicons.core.distcp import Item, locate, read_metadata
+from mpicons.core.distcp_items import Item, locate
+from mpicons.core.distcp_metadata import read_metadata
 from mpicons.core.errors import InputError
 from mpicons.core.format import DTYPES
 from mpicons.frontends._pickling import Call, Global, Obj, dumps
@@ -680,15 +681,15 @@ def test_a_hostile_data_pkl_is_bounded(tmp_path: Path, data_pkl: bytes, phrase: 
 def test_a_hostile_checkpoint_changes_nothing_for_the_next_one(tmp_path: Path) -> None:
     """In one process: archives that try to set state on every stand-in either unpickler hands out,
     then well-formed checkpoints, which must read as if nothing had come before."""
-    from mpicons.core import distcp
+    from mpicons.core import distcp_items, distcp_metadata
 
     hostile = copy_fixture("transposed", tmp_path / "hostile")
     values = struct.pack("<12f", *range(12))
     names = [
-        *distcp._TENSOR_FUNCTIONS,
-        *distcp._STORAGE_TYPES,
-        *distcp._METADATA_FUNCTIONS,
-        *distcp._RECORDS,
+        *distcp_items._TENSOR_FUNCTIONS,
+        *distcp_items._STORAGE_TYPES,
+        *distcp_metadata._METADATA_FUNCTIONS,
+        *distcp_metadata._RECORDS,
         ("torch", "bfloat16"),
     ]
     states = [b"}X\x05\x00\x00\x00dtypeX\x03\x00\x00\x00F16s", b"N}X\x05\x00\x00\x00dtypeX\x03\x00\x00\x00F16s\x86"]
@@ -709,12 +710,12 @@ def test_a_hostile_checkpoint_changes_nothing_for_the_next_one(tmp_path: Path) -
 
 def test_the_opcode_check_passes_what_torch_and_the_sample_write(tmp_path: Path) -> None:
     """Control for the bounds: every pickle of the fixtures and of the sample is read."""
-    from mpicons.core import distcp
+    from mpicons.core.unpickling import check_opcodes
 
     write_sample(tmp_path / "sample", SampleConfig(layers=1, hidden=16, intermediate=40, vocab=50), distcp="torch_save")
     directories = [DISTCP_FIXTURES / name / "dcp" for name in DISTCP_NAMES] + [tmp_path / "sample"]
     for directory in directories:
-        distcp._check_opcodes((directory / ".metadata").read_bytes())
+        check_opcodes((directory / ".metadata").read_bytes())
         for items in _items_by_file(directory).values():
             assert items
 

@@ -215,7 +215,7 @@ def _reference_accepts(path) -> bool:
 
 def _mpicons_accepts(path) -> bool:
     """Whether both of mpicons' header readers accept the file; they must agree with each other."""
-    from mpicons.core.table import read_file
+    from mpicons.core.headers import read_file
 
     verdicts = []
     for read in (lambda: read_header(path), lambda: read_file(str(path), "plain.safetensors")):

@@ -19,7 +19,7 @@ def write_headers(directory: Path, training_ranks: int, tensors: int, outputs: i
 
     sys.path.insert(0, str(REPO))
     from mpicons.core.format import build_header
-    from mpicons.core.table import shard_file_name
+    from mpicons.core.names import shard_file_name
 
     comm = MPI.COMM_WORLD
     directory.mkdir(parents=True, exist_ok=True)

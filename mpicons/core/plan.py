@@ -26,9 +26,9 @@ import numpy as np
 from .convert import converted_dtype
 from .errors import InputError
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
-from .names import INDEX_NAME, SINGLE_FILE_NAME, output_name, plain_file_name
+from .names import INDEX_NAME, SINGLE_FILE_NAME, missing_shards, output_name, plain_file_name, shard_file_name  # noqa: F401 - re-exported
 from .reports import Problem, count_of
-from .table import Pieces, ShardFiles, Table, missing_shards, shard_file_name  # noqa: F401 - re-exported
+from .table import Pieces, ShardFiles, Table  # noqa: F401 - re-exported
 
 #: What Hugging Face ``save_pretrained`` writes; transformers refuses files without it.
 OUTPUT_METADATA = {"format": "pt"}

@@ -1,48 +1,23 @@
-"""Shard files and their pieces as numpy columns; reading headers into them (no MPI here).
+"""Shard files and their pieces as numpy columns (no MPI here).
 
 A *piece* is one header entry of one shard file: a box of a tensor (``offset``, ``shape``) stored
-contiguously at ``begin``. Headers are parsed with one ``json.loads`` each and turned into columns
-with a handful of list comprehensions and numpy; validation is vectorized. Only a header that
-fails the fast checks is parsed again entry by entry, to say exactly what is wrong with it.
+contiguously at ``begin``. The scan fills these columns (:mod:`mpicons.core.headers` reads the
+headers into them), moves them between ranks as fixed-size records, and re-expresses sub-byte
+dtypes in whole storage units before the plan sees them.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
-import os
-import re
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .errors import InputError
-from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, MAX_DIM, MAX_HEADER_SIZE, MAX_NDIM, parse_header
+from .format import DTYPES
+from .names import MAX_SHARD_NUMBER, parse_shard_name
 
-#: ``shard-RRRRR-model-IIIII-of-NNNNN.safetensors`` as torch's HuggingFaceStorageWriter names them.
-DCP_SHARD_NAME = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
-SHARDING_KEY = "DCP_SHARDING_INFO"
-#: Largest training rank, file index or file count a shard name may carry (stored as int32).
-MAX_SHARD_NUMBER = 2**31 - 1
-#: ``-0`` in a list: an integer to Python, refused by the reference reader's unsigned fields.
-_MINUS_ZERO = re.compile(rb"[\[,][ \t\n\r]*-0")
-_BITS = np.array([d.bits for d in DTYPES], dtype=np.int64)
-
-
-def shard_file_name(rank: int, index: int, count: int) -> str:
-    """The name torch's HuggingFaceStorageWriter gives training rank ``rank``'s part of output file ``index``."""
-    return f"shard-{rank:05d}-model-{index:05d}-of-{count:05d}.safetensors"
-
-
-def parse_shard_name(name: str) -> tuple[int, int, int] | None:
-    """(training rank, output index, output count) of a DCP shard name, None for other names."""
-    match = DCP_SHARD_NAME.match(name)
-    return None if match is None else (int(match.group(1)), int(match.group(2)), int(match.group(3)))
-
-
-# ---------------------------------------------------------------- the columns
+#: Bits per element of each dtype, by index into format.DTYPES.
+DTYPE_BITS = np.array([d.bits for d in DTYPES], dtype=np.int64)
 
 
 @dataclass
@@ -161,296 +136,6 @@ class Pieces:
         )
 
 
-# ---------------------------------------------------------------- reading headers
-
-
-@dataclass
-class _Parsed:
-    """One file's header as columns, in header order; ``shape``/``offset`` padded to its widest tensor."""
-
-    names: list[str]
-    dtype: np.ndarray
-    ndim: np.ndarray
-    shape: np.ndarray  # int64[N, W]
-    offset: np.ndarray  # int64[N, W]
-    begin: np.ndarray
-    data_start: int
-    is_dcp: bool
-
-
-def _read_raw(path: str) -> tuple[bytes, int]:
-    """The header bytes of the file at ``path`` and the file's size."""
-    try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise InputError(f"{path}: file is {size} bytes, too short for a safetensors header")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER_SIZE:
-                raise InputError(
-                    f"{path}: header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes "
-                    "(not a safetensors file?)"
-                )
-            if 8 + length > size:
-                raise InputError(
-                    f"{path}: header length {length} runs past the end of the {size}-byte file "
-                    "(truncated, or not a safetensors file?)"
-                )
-            raw = handle.read(length)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
-    if len(raw) != length:
-        raise InputError(f"{path}: file shrank while its header was read")
-    return raw, size
-
-
-def _grid(rows: list[list[int]], ndim: np.ndarray, fill: int) -> np.ndarray:
-    """Ragged integer lists as an int64 [N, max(1, max ndim)] array, padded with ``fill``."""
-    width = max(1, int(ndim.max(initial=0)))
-    if len(rows) and int(ndim.min()) == width:
-        return np.array(rows, dtype=np.int64).reshape(len(rows), width)
-    out = np.full((len(rows), width), fill, dtype=np.int64)
-    if len(rows):
-        flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(ndim.sum()))
-        at = np.repeat(np.arange(len(rows)), ndim)
-        out[at, np.arange(len(flat)) - np.repeat(np.cumsum(ndim) - ndim, ndim)] = flat
-    return out
-
-
-def _fast(raw: bytes, size: int, dcp_name: bool) -> _Parsed | None:
-    """Columns of a well-formed header, or None when anything is unusual (the strict path then says what).
-
-    One ``json.loads`` per header (and one for DCP_SHARDING_INFO), then list comprehensions and
-    numpy; types are checked with ``set(map(type, ...))`` so a bool or float never passes for an int.
-    """
-    # What Python's json module accepts beyond JSON and the format (a byte-order mark or other
-    # encodings, lone surrogates, duplicate names, -0) goes to the strict path, which refuses it.
-    if raw[:1] != b"{" or b"\\u" in raw or _MINUS_ZERO.search(raw):
-        return None
-    try:
-        obj = json.loads(raw.decode("utf-8"))
-        if type(obj) is not dict:
-            return None
-        commas, strings = max(len(obj) - 1, 0), "".join(obj)
-        metadata = obj.pop("__metadata__", None)
-        if type(metadata) is dict:
-            commas += max(len(metadata) - 1, 0)
-            strings += "".join(itertools.chain.from_iterable(metadata.items()))
-        elif metadata is None:
-            metadata = {}
-        if type(metadata) is not dict or not set(map(type, itertools.chain.from_iterable(metadata.items()))) <= {str}:
-            return None
-        names = list(obj)
-        entries = list(obj.values())
-        if not set(map(type, entries)) <= {dict} or not set(map(len, entries)) <= {3}:
-            return None  # an odd entry, or fields the strict path checks
-        dtypes = [DTYPE_ORDER[e["dtype"]] for e in entries]
-        shapes = [e["shape"] for e in entries]
-        spans = [e["data_offsets"] for e in entries]
-        info_text = metadata.get(SHARDING_KEY)
-        if info_text is None:
-            if dcp_name:
-                return None
-            offsets = None
-        else:
-            info = json.loads(info_text)
-            if type(info) is not dict or len(info) != len(names):
-                return None
-            offsets = [info[n]["saved_offsets"] for n in names]
-    except (ValueError, KeyError, TypeError, RecursionError, AttributeError):
-        return None
-    lists = set(map(type, shapes)) | set(map(type, spans)) | (set(map(type, offsets)) if offsets is not None else set())
-    if not lists <= {list}:
-        return None
-    ints = set(map(type, itertools.chain.from_iterable(shapes))) | set(map(type, itertools.chain.from_iterable(spans)))
-    if offsets is not None:
-        ints |= set(map(type, itertools.chain.from_iterable(offsets)))
-    if not ints <= {int} or set(map(len, spans)) - {2}:
-        return None
-    ndim = np.fromiter(map(len, shapes), dtype=np.int64, count=len(shapes))
-    if len(shapes) and int(ndim.max()) > MAX_NDIM:
-        return None
-    # No name twice anywhere: with no escapes in the text, its commas are exactly those between the
-    # values of every object and list plus those inside its strings; a repeated key adds one.
-    commas += 3 * len(entries) + int(np.maximum(ndim - 1, 0).sum())  # per entry: 2 between fields, 1 in data_offsets
-    if raw.count(b",") != commas + strings.count(","):
-        return None
-    if offsets is not None and not np.array_equal(ndim, np.fromiter(map(len, offsets), dtype=np.int64, count=len(offsets))):
-        return None
-    try:
-        shape = _grid(shapes, ndim, 1)
-        offset = _grid(offsets, ndim, 0) if offsets is not None else np.zeros_like(shape)
-        span = np.array(spans, dtype=np.int64).reshape(-1, 2)
-    except OverflowError:
-        return None
-    if (shape < 0).any() or (offset < 0).any() or (span < 0).any():
-        return None
-    # Elements, through float64 first so that huge shapes cannot overflow silently.
-    if ((shape + offset).astype(np.float64) >= MAX_DIM).any():
-        return None
-    reach = np.prod((shape + offset).astype(np.float64), axis=1) * _BITS[np.array(dtypes, dtype=np.int64)] / 8
-    if len(shape) and (reach >= 2.0**62).any():
-        return None  # the full tensor may not be addressable: the strict path says so exactly
-    if len(shape) and (np.cumprod(shape.astype(np.float64), axis=1) * 8 >= 2.0**62).any():
-        return None  # the strict path multiplies exactly, left to right as the reference reader does
-    dtype = np.array(dtypes, dtype=np.int8)
-    bits = np.prod(shape, axis=1) * _BITS[dtype]
-    if (bits % 8).any() or not np.array_equal(bits // 8, span[:, 1] - span[:, 0]):
-        return None
-    order = np.lexsort((span[:, 1], span[:, 0]))
-    begins, ends = span[order, 0], span[order, 1]
-    if len(order) and (begins[0] != 0 or not np.array_equal(begins[1:], ends[:-1])):
-        return None
-    data_start = 8 + len(raw)
-    if data_start + (int(ends[-1]) if len(order) else 0) != size:
-        return None
-    return _Parsed(names, dtype, ndim.astype(np.int8), shape, offset, span[:, 0] + data_start, data_start, info_text is not None)
-
-
-def _strict(path: str, raw: bytes, size: int, dcp_name: bool) -> _Parsed:
-    """Entry by entry, with the reference reader's rules: raises InputError naming what is wrong."""
-    header = parse_header(raw, size, path)
-    info = _sharding_info(path, header.metadata)
-    if dcp_name and info is None:
-        raise InputError(f"{path}: named like a DCP shard but its header has no {SHARDING_KEY}")
-    offsets = []
-    for entry in header.tensors:
-        if info is None:
-            offsets.append([0] * len(entry.shape))
-            continue
-        saved = info.get(entry.name)
-        if saved is None:
-            raise InputError(f"{path}: tensor {entry.name!r} is missing from {SHARDING_KEY}")
-        if len(saved) != len(entry.shape):
-            raise InputError(
-                f"{path}: tensor {entry.name!r} has {len(entry.shape)} dimensions but saved_offsets {saved} has {len(saved)}"
-            )
-        if any(o + d >= MAX_DIM for o, d in zip(saved, entry.shape)):
-            raise InputError(
-                f"{path}: tensor {entry.name!r}: saved_offsets {saved} with shape {list(entry.shape)} reach past 2**63 elements"
-            )
-        reach = DTYPE_BY_NAME[entry.dtype].bits
-        for o, d in zip(saved, entry.shape):
-            reach *= o + d
-        if reach >= MAX_DIM * 8:
-            raise InputError(
-                f"{path}: tensor {entry.name!r}: saved_offsets {saved} with shape {list(entry.shape)} make a tensor of "
-                "2**63 bytes or more (damaged header?)"
-            )
-        offsets.append(saved)
-    if info is not None:
-        extra = set(info) - {entry.name for entry in header.tensors}
-        if extra:
-            raise InputError(f"{path}: {SHARDING_KEY} names tensor {sorted(extra)[0]!r} that the file does not hold")
-    entries = header.tensors
-    ndim = np.array([len(e.shape) for e in entries], dtype=np.int64)
-    return _Parsed(
-        [e.name for e in entries],
-        np.array([DTYPE_ORDER[e.dtype] for e in entries], dtype=np.int8),
-        ndim.astype(np.int8),
-        _grid([list(e.shape) for e in entries], ndim, 1),
-        _grid(offsets, ndim, 0),
-        np.array([header.data_start + e.begin for e in entries], dtype=np.int64),
-        header.data_start,
-        info is not None,
-    )
-
-
-def _sharding_info(path: str, metadata: dict[str, str]) -> dict[str, list[int]] | None:
-    text = metadata.get(SHARDING_KEY)
-    if text is None:
-        return None
-    try:
-        info = json.loads(text)
-    except (ValueError, RecursionError):
-        raise InputError(f"{path}: {SHARDING_KEY} is not valid JSON") from None
-    if not isinstance(info, dict):
-        raise InputError(f"{path}: {SHARDING_KEY} is not a JSON object")
-    offsets: dict[str, list[int]] = {}
-    for name, entry in info.items():
-        saved = entry.get("saved_offsets") if isinstance(entry, dict) else None
-        if not isinstance(saved, list) or not all(type(o) is int and 0 <= o < MAX_DIM for o in saved):
-            raise InputError(
-                f"{path}: {SHARDING_KEY} entry for tensor {name!r} has invalid saved_offsets {saved!r} "
-                "(expected a list of non-negative integers)"
-            )
-        offsets[name] = saved
-    return offsets
-
-
-def read_file(path: str, file_name: str) -> _Parsed:
-    """One shard file's header as columns (fast path, else strict with a precise error)."""
-    named = parse_shard_name(file_name)
-    if named is not None and max(named) > MAX_SHARD_NUMBER:
-        raise InputError(f"{path}: the numbers in this shard name are out of range (at most {MAX_SHARD_NUMBER})")
-    raw, size = _read_raw(path)
-    parsed = _fast(raw, size, named is not None)
-    return parsed if parsed is not None else _strict(path, raw, size, named is not None)
-
-
-@dataclass
-class LocalTable:
-    """The headers one rank read: file facts by file id, pieces with tensor ids into ``names``."""
-
-    file_ids: np.ndarray  # int32[f], global ids of the files read here
-    data_start: np.ndarray  # int64[f]
-    is_dcp: np.ndarray  # bool[f]
-    names: list[str]  # tensor names, first appearance order
-    pieces: Pieces
-
-
-def read_headers(directory: str, names: Sequence[str], file_ids: Sequence[int], holder: int = 0) -> LocalTable:
-    """Read the headers of ``names`` (files inside ``directory`` with global ids ``file_ids``)."""
-    tensor_names: list[str] = []
-    ids: dict[str, int] = {}
-    parts, starts, dcp = [], [], []
-    for file_id, file_name in zip(file_ids, names):
-        parsed = read_file(os.path.join(directory, file_name), file_name)
-        new = [n for n in parsed.names if n not in ids]
-        ids.update(zip(new, range(len(ids), len(ids) + len(new))))
-        lookup = np.fromiter(map(ids.__getitem__, parsed.names), dtype=np.int32, count=len(parsed.names))
-        parts.append(
-            Pieces(
-                tensor=lookup,
-                file=np.full(len(lookup), file_id, dtype=np.int32),
-                dtype=parsed.dtype,
-                ndim=parsed.ndim,
-                shape=parsed.shape,
-                offset=parsed.offset,
-                begin=parsed.begin,
-                holder=np.full(len(lookup), holder, dtype=np.int32),
-            )
-        )
-        starts.append(parsed.data_start)
-        dcp.append(parsed.is_dcp)
-    tensor_names = list(ids)
-    return LocalTable(
-        np.asarray(file_ids, dtype=np.int32),
-        np.array(starts, dtype=np.int64),
-        np.array(dcp, dtype=bool),
-        tensor_names,
-        Pieces.concat(parts),
-    )
-
-
-def list_shards(input_dir: str, allow_empty: bool = False, suffixes: tuple[str, ...] = (".safetensors",)) -> list[str]:
-    """The ``*.safetensors`` files (or files with other ``suffixes``) directly in ``input_dir``, sorted by name."""
-    if not os.path.isdir(input_dir):
-        raise InputError(f"{input_dir}: input directory does not exist or is not a directory")
-    try:
-        names = sorted(
-            entry.name
-            for entry in os.scandir(input_dir)
-            if entry.name.endswith(suffixes) and not entry.name.startswith(".") and entry.is_file()
-        )
-    except OSError as exc:
-        raise InputError(f"{input_dir}: cannot list input directory ({exc.strerror})") from None
-    if not names and not allow_empty:
-        raise InputError(f"{input_dir}: no *.safetensors files found")
-    return names
-
-
 def shard_files(names: list[str], sizes: Sequence[int], holders: list[np.ndarray] | None) -> ShardFiles:
     """File facts known from the names alone (data starts and DCP flags are filled in by the scan)."""
     parsed = [parse_shard_name(n) for n in names]
@@ -466,44 +151,9 @@ def shard_files(names: list[str], sizes: Sequence[int], holders: list[np.ndarray
     )
 
 
-def missing_shards(files: Sequence[str], show: int = 3) -> tuple[int, int, list[str]]:
-    """Absent DCP shard files: (how many, how many the present names imply, the first ``show`` names).
-
-    The present names span a grid of training ranks × output files; a training rank with no piece
-    of some output file writes no file for it, so this is only a hint, and a missing *last* rank
-    cannot be seen at all. Costs what exists (the names present), never what the names imply: a
-    rank number of 10⁹ in one name does not make 10⁹ names.
-    """
-    parsed = {p for p in map(parse_shard_name, files) if p}
-    counts = {count for _, _, count in parsed}
-    if not parsed or len(counts) != 1:
-        return 0, 0, []
-    count = counts.pop()
-    by_rank: dict[int, set[int]] = {}
-    for rank, index, _ in parsed:
-        by_rank.setdefault(rank, set()).add(index)
-    low, top = (1 if min(by_rank) >= 1 else 0), max(by_rank)
-    expected = (top - low + 1) * count
-    missing = expected - len(parsed)
-    found: list[str] = []
-    previous = low - 1
-    for rank in sorted(by_rank):
-        for absent in range(previous + 1, min(rank, previous + 1 + show)):  # ranks with no file at all
-            found += [shard_file_name(absent, i, count) for i in range(1, min(count, show) + 1)]
-        index = 1
-        while len(found) < show and index <= min(count, len(by_rank[rank]) + show):
-            if index not in by_rank[rank]:
-                found.append(shard_file_name(rank, index, count))
-            index += 1
-        previous = rank
-        if len(found) >= show:
-            break
-    return missing, expected, found[:show]
-
-
 def to_storage_units(pieces: Pieces) -> np.ndarray:
     """Re-express sub-byte pieces' last dimension in bytes, in place; returns which pieces are not cut on a byte."""
-    bits = _BITS[pieces.dtype.astype(np.int64)]
+    bits = DTYPE_BITS[pieces.dtype.astype(np.int64)]
     misaligned = np.zeros(len(pieces), dtype=bool)
     sub = np.flatnonzero(bits % 8 != 0)
     if len(sub):
@@ -525,32 +175,4 @@ class Table:
     misaligned: np.ndarray  # bool[P]
 
 
-def relabel(local: LocalTable, names: list[str]) -> Pieces:
-    """``local``'s pieces with tensor ids into the global, sorted ``names``."""
-    position = {name: i for i, name in enumerate(names)}
-    lookup = np.array([position[n] for n in local.names], dtype=np.int32)
-    pieces = local.pieces
-    return Pieces(
-        lookup[pieces.tensor] if len(pieces) else pieces.tensor,
-        pieces.file,
-        pieces.dtype,
-        pieces.ndim,
-        pieces.shape,
-        pieces.offset,
-        pieces.begin,
-        pieces.holder,
-    )
-
-
-def read_table(directory: str, names: Sequence[str] | None = None) -> Table:
-    """Read every shard header of ``directory`` in this process (tests, previews; the scan splits this over ranks)."""
-    names = list_shards(directory) if names is None else list(names)
-    sizes = [os.path.getsize(os.path.join(directory, n)) for n in names]
-    files = shard_files(names, sizes, None)
-    local = read_headers(directory, names, range(len(names)))
-    files.data_start[local.file_ids] = local.data_start
-    files.is_dcp[local.file_ids] = local.is_dcp
-    tensor_names = sorted(local.names)
-    pieces = relabel(local, tensor_names)
-    misaligned = to_storage_units(pieces)
-    return Table(files, tensor_names, pieces, misaligned)
+__all__ = ["DTYPE_BITS", "ShardFiles", "Pieces", "Table", "shard_files", "to_storage_units"]

@@ -21,11 +21,12 @@ import numpy as np
 from ..comm import as_communicator
 from ..comm.agreement import agree, agree_arguments, agree_on
 from ..core.errors import InputError
+from ..core.names import missing_shards
 from ..core.options import Options
 from ..core.plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, natural_key
 from ..core.reports import Problem, human_bytes, skipped_entries
 from ..core.reports import count_of as _count
-from ..core.table import ShardFiles, missing_shards
+from ..core.table import ShardFiles
 from ..job.consolidation import layout_of, load_mapping
 from ..job.scan import distribute, scan, select
 

@@ -24,10 +24,10 @@ import numpy as np
 
 from ..comm import as_communicator
 from ..comm.agreement import agree, agree_on
-from ..core.distcp import METADATA_NAME, SHARDING_KEY, STORAGE_DTYPES
+from ..core.distcp_items import STORAGE_DTYPES
 from ..core.format import DTYPE_BY_NAME, DTYPE_ORDER, build_header
-from ..core.names import INDEX_NAME, SINGLE_FILE_NAME, output_name
-from ..core.table import shard_file_name
+from ..core.headers import SHARDING_KEY
+from ..core.names import INDEX_NAME, METADATA_NAME, SINGLE_FILE_NAME, output_name, shard_file_name
 from ._pickling import Call, Global, Obj, PersistentId, dumps
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)

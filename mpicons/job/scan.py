@@ -2,7 +2,7 @@
 pieces of the rows it owns.
 
 Each header is read once, by one rank that can see the file. What the layout needs is per tensor
-and is combined with a few Allreduce calls (:class:`~mpicons.plan.TensorFacts`); the pieces stay
+and is combined with a few Allreduce calls (:class:`~mpicons.core.plan.TensorFacts`); the pieces stay
 where they were read until the layout says which rank owns which rows, then one Alltoallv moves
 each piece to the ranks whose rows it crosses. No rank ever holds the whole piece table.
 """
@@ -23,10 +23,13 @@ from typing import Any
 import numpy as np
 
 from ..comm.agreement import Comm, agree
-from ..core.distcp import DATA_SUFFIX, METADATA_NAME, DistcpTable, Item, locate_all, read_metadata
+from ..core.distcp_items import Item, locate_all
+from ..core.distcp_metadata import DistcpTable, read_metadata
 from ..core.errors import InputError
 from ..core.format import DTYPES
+from ..core.headers import list_shards, read_headers, relabel
 from ..core.machine import host_name
+from ..core.names import DATA_SUFFIX, METADATA_NAME, missing_shards
 from ..core.plan import (
     Layout,
     Part,
@@ -42,16 +45,7 @@ from ..core.plan import (
     set_odd,
 )
 from ..core.reports import count_of
-from ..core.table import (
-    Pieces,
-    ShardFiles,
-    list_shards,
-    missing_shards,
-    read_headers,
-    relabel,
-    shard_files,
-    to_storage_units,
-)
+from ..core.table import Pieces, ShardFiles, shard_files, to_storage_units
 
 #: Largest message per destination in one round of the piece exchange (MPI counts are C ints).
 EXCHANGE_LIMIT = 1 << 29

@@ -1,0 +1,520 @@
+"""Where each piece of DCP's default format lies in its data file (``__R_N.distcp``), read without
+torch (no MPI here).
+
+- ``torch_save`` serialization (the default): each item is a complete zip archive (``torch.save``);
+  its ``data.pkl`` (read by a restricted unpickler) names the storage and its offset, size and
+  stride, and the storage's bytes are a stored (uncompressed) member of the archive. The archive's
+  own records (central directory, local headers, data descriptors) must agree on every extent.
+- ``safetensors`` serialization: each data file ends with one safetensors blob holding that file's
+  pieces under their tensor names; every piece's recorded offset is the blob's start.
+
+The facts this relies on are in docs/distcp-format.md.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shlex
+import struct
+import zipfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError
+from .format import DTYPE_BY_NAME, MAX_DIM, MAX_HEADER_SIZE, MAX_NDIM, parse_header
+from .headers import SHARDING_KEY
+from .unpickling import Budget, RestrictedUnpickler, Sealed, TorchDType, shown, unpickle
+
+_ZIP_LOCAL = b"PK\x03\x04"
+
+#: ``torch.<X>Storage`` classes of the legacy typed storages (``torch.save`` of most dtypes).
+STORAGE_DTYPES = {
+    "DoubleStorage": "F64",
+    "FloatStorage": "F32",
+    "HalfStorage": "F16",
+    "BFloat16Storage": "BF16",
+    "LongStorage": "I64",
+    "IntStorage": "I32",
+    "ShortStorage": "I16",
+    "CharStorage": "I8",
+    "ByteStorage": "U8",
+    "BoolStorage": "BOOL",
+    "ComplexFloatStorage": "C64",
+}
+
+
+def _refuse_state(self: object, state: object) -> None:
+    raise pickle.UnpicklingError(f"the pickle sets state on a {type(self).__name__}")
+
+
+class _StorageType(Sealed):
+    """``torch.<X>Storage``: a storage class by its dtype (None: untyped bytes; the tensor names its dtype)."""
+
+    __slots__ = ("dtype",)
+    dtype: str | None
+
+    def __init__(self, dtype: str | None) -> None:
+        object.__setattr__(self, "dtype", dtype)
+
+    def __repr__(self) -> str:
+        return f"storage class {self.dtype or 'untyped'}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Storage:
+    dtype: str | None
+    key: str
+    numel: int  # elements of ``dtype``; bytes when untyped
+
+    __setstate__ = _refuse_state
+
+
+@dataclass(frozen=True, slots=True)
+class _TensorRef:
+    """What ``data.pkl`` says of the saved tensor."""
+
+    storage: _Storage
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+
+    __setstate__ = _refuse_state
+
+
+def _ints(budget: Budget, value: object) -> tuple[int, ...]:
+    if type(value) is not tuple or len(value) > MAX_NDIM:
+        raise pickle.UnpicklingError(f"expected a tuple of at most {MAX_NDIM} ints, got {shown(value)}")
+    budget.spend(len(value))
+    if not all(type(v) is int and 0 <= v < MAX_DIM for v in value):
+        raise pickle.UnpicklingError(f"expected a tuple of non-negative 64-bit ints, got {shown(value)}")
+    return value
+
+
+def _rebuild(
+    budget: Budget, storage: object, storage_offset: object, size: object, stride: object, dtype: str | None
+) -> _TensorRef:
+    if not isinstance(storage, _Storage) or type(storage_offset) is not int or not 0 <= storage_offset < MAX_DIM:
+        raise pickle.UnpicklingError("a tensor without a storage")
+    dtype = storage.dtype or dtype
+    if dtype is None:
+        raise pickle.UnpicklingError("a tensor without a dtype")
+    return _TensorRef(storage, storage_offset, _ints(budget, size), _ints(budget, stride), dtype)
+
+
+def _rebuild_v2(
+    budget: Budget, storage: object, storage_offset: object, size: object, stride: object, *rest: object
+) -> _TensorRef:
+    """``torch._utils._rebuild_tensor_v2``: storage, offset, size, stride, requires_grad, hooks[, metadata]."""
+    return _rebuild(budget, storage, storage_offset, size, stride, None)
+
+
+def _rebuild_v3(
+    budget: Budget,
+    storage: object,
+    storage_offset: object,
+    size: object,
+    stride: object,
+    requires_grad: object,
+    hooks: object,
+    dtype: object,
+    *rest: object,
+) -> _TensorRef:
+    """``torch._utils._rebuild_tensor_v3``: as v2 with the dtype named (untyped storages: float8, uint16, ...)."""
+    if not isinstance(dtype, TorchDType):
+        raise pickle.UnpicklingError(f"dtype {shown(dtype)}")
+    return _rebuild(budget, storage, storage_offset, size, stride, dtype.name)
+
+
+def _no_hooks(budget: Budget, *args: object) -> dict[str, object]:
+    """``collections.OrderedDict()``: the (empty) backward hooks of a saved tensor."""
+    if args:
+        raise pickle.UnpicklingError("backward hooks")
+    return {}
+
+
+_TENSOR_FUNCTIONS: dict[tuple[str, str], Callable[..., object]] = {
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_v2,
+    ("torch._utils", "_rebuild_tensor_v3"): _rebuild_v3,
+    ("collections", "OrderedDict"): _no_hooks,
+}
+_STORAGE_TYPES: dict[tuple[str, str], object] = {
+    ("torch.storage", "UntypedStorage"): _StorageType(None),
+    ("torch", "UntypedStorage"): _StorageType(None),
+    **{("torch", name): _StorageType(dtype) for name, dtype in STORAGE_DTYPES.items()},
+}
+
+
+class _TensorUnpickler(RestrictedUnpickler):
+    """Unpickles the ``data.pkl`` of one ``torch.save`` of a tensor into a :class:`_TensorRef`, running nothing."""
+
+    functions = _TENSOR_FUNCTIONS
+    others = _STORAGE_TYPES
+
+    def persistent_load(self, pid: object) -> Any:
+        if (
+            type(pid) is tuple
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], _StorageType)
+            and type(pid[2]) is str
+            and type(pid[4]) is int
+            and 0 <= pid[4] < MAX_DIM
+        ):
+            return _Storage(pid[1].dtype, pid[2], pid[4])
+        raise pickle.UnpicklingError(f"persistent id {shown(pid)}")
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``[start, start + length)`` of an open file as a seekable file of their own (for zipfile)."""
+
+    def __init__(self, fd: int, start: int, length: int) -> None:
+        super().__init__()
+        self._fd, self._start, self._length, self._position = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        if base + offset < 0:
+            raise OSError("seek before the start of the item")
+        self._position = base + offset
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        count = max(0, min(len(buffer), self._length - self._position))
+        data = os.pread(self._fd, count, self._start + self._position) if count else b""
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+
+@dataclass(frozen=True)
+class Item:
+    """One stored piece to find: its tensor and box, and the item DCP recorded for it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    item_offset: int
+    item_length: int
+
+
+@dataclass(frozen=True)
+class ItemProblem:
+    """Why one item cannot be read: its index in the items asked for, its tensor and the message."""
+
+    index: int
+    tensor: str
+    message: str
+
+
+def locate(path: str, items: Sequence[Item], fast: bool = True) -> np.ndarray:
+    """The absolute offset in the data file at ``path`` where each item's piece (C order) begins.
+
+    Raises InputError at the first item that cannot be read (see :func:`locate_all`).
+    """
+    begins, problems = locate_all(path, items, fast)
+    if problems:
+        raise InputError(problems[0].message)
+    return begins
+
+
+def locate_all(path: str, items: Sequence[Item], fast: bool = True) -> tuple[np.ndarray, list[ItemProblem]]:
+    """Where each item's piece begins in the data file at ``path``, and every item that cannot be read.
+
+    ``fast``: read archives laid out as ``torch.save`` writes them with two small reads each (their
+    first and last 4 KiB), and any other through :mod:`zipfile` (``False``: every one through it).
+    A problem names the file, the tensor and what does not agree with the metadata; the file itself
+    not being readable raises InputError.
+    """
+    pickles: dict[bytes, object] = {}  # data.pkl → what it says: pieces of one shape pickle alike
+    begins = np.zeros(len(items), dtype=np.int64)
+    problems: list[ItemProblem] = []
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+    try:
+        size = os.fstat(fd).st_size
+        blobs: dict[int, dict[str, _BlobEntry]] = {}
+        for i, item in enumerate(items):
+            try:
+                begins[i] = _locate_one(fd, path, size, item, pickles, blobs, fast)
+            except InputError as exc:
+                problems.append(ItemProblem(i, item.name, str(exc)))
+    finally:
+        os.close(fd)
+    return begins, problems
+
+
+def _locate_one(
+    fd: int, path: str, size: int, item: Item, pickles: dict[bytes, object], blobs: dict[int, dict[str, _BlobEntry]], fast: bool
+) -> int:
+    where = f"{path}: tensor {item.name!r} (piece at {list(item.offsets)})"
+    if item.item_offset + item.item_length > size:
+        raise InputError(
+            f"{where}: its item at byte {item.item_offset} ({item.item_length} bytes) runs past the end "
+            f"of the {size}-byte file (truncated?)"
+        )
+    if os.pread(fd, 4, item.item_offset) == _ZIP_LOCAL:
+        return _archive_piece(fd, where, item, pickles, fast)
+    blob = blobs.get(item.item_offset)
+    if blob is None:
+        blob = blobs[item.item_offset] = _blob_entries(fd, path, where, item.item_offset, size)
+    return _blob_piece(blob, where, item)
+
+
+_EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
+_LOCATOR = struct.Struct("<4sLQL")  # ZIP64 end of central directory locator
+_EOCD64 = struct.Struct("<4sQ2H2L4Q")  # ZIP64 end of central directory record
+_CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header
+_LOCAL = struct.Struct("<4s5H3L2H")  # local file header
+_PEEK = 4096
+
+
+def _simple_members(tail: bytes, length: int) -> tuple[dict[str, tuple[int, int, int]], int] | None:
+    """Members (method, stored size, local header offset) of the archive ending with ``tail`` and where
+    its central directory starts, or None when it is not laid out as simply as ``torch.save`` writes it
+    (no comment, the central directory within ``tail``, no ZIP64 member fields): :mod:`zipfile` reads those."""
+    if len(tail) < _EOCD.size:
+        return None
+    signature, _, _, _, count, size, offset, comment = _EOCD.unpack_from(tail, len(tail) - _EOCD.size)
+    if signature != b"PK\x05\x06" or comment:
+        return None
+    base = length - len(tail)  # archive offset of tail[0]
+    locator = len(tail) - _EOCD.size - _LOCATOR.size
+    if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
+        at = _LOCATOR.unpack_from(tail, locator)[2] - base
+        if at < 0 or at + _EOCD64.size > len(tail) or tail[at : at + 4] != b"PK\x06\x06":
+            return None
+        count, size, offset = _EOCD64.unpack_from(tail, at)[7:10]
+    at, central = offset - base, offset
+    if at < 0 or at + size > len(tail):
+        return None
+    members = {}
+    for _ in range(count):
+        if at + _CENTRAL.size > len(tail):
+            return None
+        fields = _CENTRAL.unpack_from(tail, at)
+        method, stored, names, extra, note, local = fields[4], fields[8], fields[10], fields[11], fields[12], fields[16]
+        if fields[0] != b"PK\x01\x02" or 0xFFFFFFFF in (stored, fields[9], local) or stored != fields[9]:
+            return None
+        members[tail[at + _CENTRAL.size : at + _CENTRAL.size + names].decode("utf-8", "replace")] = (method, stored, local)
+        at += _CENTRAL.size + names + extra + note
+    return members, central
+
+
+_DESCRIPTOR = b"PK\x07\x08"
+
+
+def _member_start(fd: int, where: str, item: Item, name: str, local: int, size: int, boundary: int, head: bytes = b"") -> int:
+    """The archive offset of member ``name``'s data, from its local header (in ``head`` when it is there),
+    after checking that the archive's own records agree on its extent: the local header names it and
+    records its size (or a data descriptor after the data does), and its data ends before
+    ``boundary`` (the next member's local header, or the central directory)."""
+    header = (
+        head[local : local + _LOCAL.size]
+        if local + _LOCAL.size <= len(head)
+        else os.pread(fd, _LOCAL.size, item.item_offset + local)
+    )
+    if len(header) < _LOCAL.size or header[:4] != _ZIP_LOCAL:
+        raise InputError(f"{where}: the archive's local header of {name} is damaged")
+    fields = _LOCAL.unpack(header)
+    flags, stored, unpacked, names, extra = fields[2], fields[7], fields[8], fields[9], fields[10]
+    start = local + _LOCAL.size + names + extra
+    if os.pread(fd, names, item.item_offset + local + _LOCAL.size) != name.encode("utf-8"):
+        raise InputError(f"{where}: the archive's local header at byte {local} does not name {name}")
+    recorded: tuple[int, ...] = (stored, unpacked)
+    if flags & 0x08:  # sizes in a data descriptor after the data
+        tail = os.pread(fd, 24, item.item_offset + start + size)
+        body = tail[4:] if tail[:4] == _DESCRIPTOR else tail
+        recorded = struct.unpack_from("<4xLL", body) if len(body) >= 12 else ()
+        if recorded != (size, size) and len(body) >= 20:
+            recorded = struct.unpack_from("<4xQQ", body)
+    if 0xFFFFFFFF not in recorded and recorded != (size, size):
+        raise InputError(
+            f"{where}: the archive's records of {name} disagree: {size} bytes in its central directory, "
+            f"{list(recorded) or 'no size'} in its local records (damaged item at byte {item.item_offset})"
+        )
+    if start + size > boundary:
+        raise InputError(
+            f"{where}: the archive's member {name} ({size} bytes from byte {start}) runs into the next record at "
+            f"byte {boundary} (damaged item at byte {item.item_offset})"
+        )
+    return start
+
+
+def _boundaries(locals_: Sequence[int], central: int) -> dict[int, int]:
+    """Local header offset → where the next member's local header (or the central directory) starts."""
+    ordered = sorted(locals_)
+    return {local: nxt for local, nxt in zip(ordered, [*ordered[1:], central])}
+
+
+def _archive_piece(fd: int, where: str, item: Item, pickles: dict[bytes, object], fast: bool) -> int:
+    """Where the piece's bytes begin inside its ``torch.save`` archive, checked against the metadata."""
+    head = tail = b""
+    found = None
+    if fast:
+        head = os.pread(fd, min(_PEEK, item.item_length), item.item_offset)
+        start = max(0, item.item_length - _PEEK)
+        tail = os.pread(fd, item.item_length - start, item.item_offset + start)
+        found = _simple_members(tail, item.item_length)
+    if found is None:
+        return _archive_piece_zipfile(fd, where, item)
+    members, central = found
+    boundary = _boundaries([member[2] for member in members.values()], central)
+    root = next(iter(members)).split("/")[0] if members else ""
+    pickled = members.get(f"{root}/data.pkl")
+    if pickled is None:
+        raise InputError(f"{where}: the torch.save archive has no data.pkl")
+    if pickled[0] != zipfile.ZIP_STORED:
+        raise InputError(f"{where}: unsupported: the torch.save archive is compressed")
+    begin = _member_start(fd, where, item, f"{root}/data.pkl", pickled[2], pickled[1], boundary[pickled[2]], head)
+    data = (
+        head[begin : begin + pickled[1]]
+        if begin + pickled[1] <= len(head)
+        else os.pread(fd, pickled[1], item.item_offset + begin)
+    )
+    ref = pickles.get(data)
+    if ref is None:
+        ref = pickles[data] = unpickle(data, _TensorUnpickler, where, "the item's data.pkl")
+    if not isinstance(ref, _TensorRef):
+        raise InputError(f"{where}: the item holds a {type(ref).__name__}, not a tensor")
+    name = f"{root}/data/{ref.storage.key}"
+    member = members.get(name)
+    if member is None:
+        raise InputError(f"{where}: the archive has no storage {ref.storage.key!r}")
+    if member[0] != zipfile.ZIP_STORED:
+        raise InputError(f"{where}: unsupported: the storage is compressed in the archive")
+    _check_ref(where, item, ref, member[1])
+    start = _member_start(fd, where, item, name, member[2], member[1], boundary[member[2]], head)
+    return item.item_offset + start + ref.storage_offset * DTYPE_BY_NAME[ref.dtype].bits // 8
+
+
+def _archive_piece_zipfile(fd: int, where: str, item: Item) -> int:
+    """:func:`_archive_piece` for any zip archive, read through :mod:`zipfile`."""
+    try:
+        archive = zipfile.ZipFile(_Window(fd, item.item_offset, item.item_length))
+        members = {info.filename: info for info in archive.infolist()}
+        root = next(iter(members)).split("/")[0] if members else ""
+        pickled = members.get(f"{root}/data.pkl")
+        if pickled is None:
+            raise InputError(f"{where}: the torch.save archive has no data.pkl")
+        if pickled.compress_type != zipfile.ZIP_STORED:
+            raise InputError(f"{where}: unsupported: the torch.save archive is compressed")
+        boundary = _boundaries([info.header_offset for info in members.values()], archive.start_dir)
+        _member_start(
+            fd, where, item, pickled.filename, pickled.header_offset, pickled.file_size, boundary[pickled.header_offset]
+        )
+        ref = unpickle(archive.read(pickled), _TensorUnpickler, where, "the item's data.pkl")
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, OSError, EOFError, StopIteration) as exc:
+        raise InputError(f"{where}: the item at byte {item.item_offset} is not a readable torch.save archive ({exc})") from None
+    if not isinstance(ref, _TensorRef):
+        raise InputError(f"{where}: the item holds a {type(ref).__name__}, not a tensor")
+    member = members.get(f"{root}/data/{ref.storage.key}")
+    if member is None:
+        raise InputError(f"{where}: the archive has no storage {ref.storage.key!r}")
+    if member.compress_type != zipfile.ZIP_STORED:
+        raise InputError(f"{where}: unsupported: the storage is compressed in the archive")
+    _check_ref(where, item, ref, member.file_size)
+    if member.compress_size != member.file_size:
+        raise InputError(f"{where}: the archive's records of {member.filename} disagree on its size")
+    start = _member_start(
+        fd, where, item, member.filename, member.header_offset, member.file_size, boundary[member.header_offset]
+    )
+    return item.item_offset + start + ref.storage_offset * DTYPE_BY_NAME[ref.dtype].bits // 8
+
+
+def _check_ref(where: str, item: Item, ref: _TensorRef, stored_bytes: int) -> None:
+    """The saved tensor must be the metadata's piece, row-major, inside its storage."""
+    if ref.dtype != item.dtype:
+        raise InputError(f"{where}: the archive holds {ref.dtype}, the metadata says {item.dtype}")
+    if ref.size != item.shape:
+        raise InputError(f"{where}: the archive holds shape {list(ref.size)}, the metadata says {list(item.shape)}")
+    if len(ref.stride) != len(ref.size):
+        raise InputError(f"{where}: stride {list(ref.stride)} does not match shape {list(ref.size)}")
+    expected, step = [], 1
+    for dim in reversed(ref.size):
+        expected.append(step)
+        step *= dim
+    expected.reverse()
+    if any(d > 1 and s != e for d, s, e in zip(ref.size, ref.stride, expected)):
+        raise InputError(
+            f"{where}: unsupported yet: stored with strides {list(ref.stride)}, not row-major ({expected}), as "
+            f"torch saves a transposed or sliced view; mpicons cannot read this layout yet: leave the tensor out "
+            f"with --exclude {shlex.quote(item.name)} (and save it contiguous next time, e.g. .contiguous() before saving)"
+        )
+    unit = DTYPE_BY_NAME[ref.dtype].bits // 8
+    storage_bytes = ref.storage.numel * (unit if ref.storage.dtype is not None else 1)
+    if storage_bytes != stored_bytes:
+        raise InputError(f"{where}: the storage is {stored_bytes} bytes in the archive, its pickle says {storage_bytes}")
+    if (ref.storage_offset + step) * unit > stored_bytes and step:
+        raise InputError(f"{where}: the tensor runs past the end of its storage ({stored_bytes} bytes)")
+
+
+#: A tensor of a safetensors blob: dtype, shape, absolute data start, byte length, saved offsets.
+_BlobEntry = tuple[str, tuple[int, ...], int, int, list[int] | None]
+
+
+def _blob_entries(fd: int, path: str, where: str, offset: int, size: int) -> dict[str, _BlobEntry]:
+    """The safetensors blob at ``offset`` (DCP's safetensors serialization): name → (dtype, shape, begin, saved offsets)."""
+    prefix = os.pread(fd, 9, offset)
+    if len(prefix) < 9 or prefix[8:9] != b"{":
+        raise InputError(f"{where}: the item at byte {offset} is neither a torch.save archive nor a safetensors blob")
+    (length,) = struct.unpack("<Q", prefix[:8])
+    if length > MAX_HEADER_SIZE or offset + 8 + length > size:
+        raise InputError(f"{path}: the safetensors blob at byte {offset} has a header length of {length} (damaged?)")
+    header = parse_header(os.pread(fd, length, offset + 8), size - offset, f"{path} (safetensors blob at byte {offset})")
+    saved: dict[str, Any] = {}
+    text = header.metadata.get(SHARDING_KEY)
+    if text is not None:
+        try:
+            saved = json.loads(text)
+        except ValueError:
+            raise InputError(f"{path}: the blob's {SHARDING_KEY} is not valid JSON") from None
+    entries = {}
+    for entry in header.tensors:
+        info = saved.get(entry.name) if isinstance(saved, dict) else None
+        offsets = info.get("saved_offsets") if isinstance(info, dict) else None
+        entries[entry.name] = (
+            entry.dtype,
+            entry.shape,
+            offset + header.data_start + entry.begin,
+            entry.end - entry.begin,
+            offsets,
+        )
+    return entries
+
+
+def _blob_piece(blob: dict[str, _BlobEntry], where: str, item: Item) -> int:
+    found = blob.get(item.name)
+    if found is None:
+        raise InputError(f"{where}: the file's safetensors blob does not hold this tensor")
+    dtype, shape, begin, length, offsets = found
+    if dtype != item.dtype or shape != item.shape:
+        raise InputError(f"{where}: the blob holds {dtype} {list(shape)}, the metadata says {item.dtype} {list(item.shape)}")
+    if length != item.item_length:
+        raise InputError(
+            f"{where}: the metadata records {item.item_length} bytes for this piece, the file's safetensors blob holds {length}"
+        )
+    if offsets is not None and tuple(offsets) != item.offsets:
+        raise InputError(f"{where}: the blob's {SHARDING_KEY} places it at {offsets}")
+    return begin
+
+
+__all__ = ["STORAGE_DTYPES", "Item", "ItemProblem", "locate", "locate_all"]

@@ -1,0 +1,377 @@
+"""Restricted unpickling for DCP's pickles (no MPI here): a pre-scan of the opcodes, then an
+unpickler that hands out only inert, read-only stand-ins.
+
+Before anything of a pickle runs, :func:`check_opcodes` walks its opcodes once and refuses what
+would make Python's unpickler take memory out of proportion to the file or crash (memo indices
+beyond what was stored, lengths past the end, nesting deeper than :data:`MAX_DEPTH`, opcodes DCP
+never writes). While it runs, the stand-in functions spend a :class:`Budget` in proportion to the
+pickle's size. The readers of ``.metadata`` (:mod:`mpicons.core.distcp_metadata`) and of the items'
+``data.pkl`` (:mod:`mpicons.core.distcp_items`) subclass :class:`RestrictedUnpickler`.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import reprlib
+from collections.abc import Callable
+from typing import Any
+
+from .errors import InputError
+from .format import DTYPES
+
+#: torch dtype attribute names (and the aliases a pickle may use) → safetensors dtype.
+TORCH_DTYPES: dict[str, str] = {d.torch: d.name for d in DTYPES if d.torch is not None}
+TORCH_DTYPES.update(float="F32", double="F64", half="F16", long="I64", int="I32", short="I16")
+
+
+class Sealed:
+    """A value the unpicklers hand out: a pickle cannot change it (no ``__dict__``; BUILD, the only
+    opcode that sets state on an object it did not make, is refused), so what one input does to it
+    can never change how the next one is read."""
+
+    __slots__ = ()
+
+    def __setstate__(self, state: object) -> None:
+        raise pickle.UnpicklingError(f"the pickle sets state on {self!r}")
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is read-only")
+
+
+class TorchDType(Sealed):
+    """A torch dtype named by the pickle, as its safetensors name."""
+
+    __slots__ = ("name",)
+    name: str
+
+    def __init__(self, name: str) -> None:
+        object.__setattr__(self, "name", name)
+
+    def __repr__(self) -> str:
+        return f"torch dtype {self.name}"
+
+
+#: One read-only stand-in per torch dtype name.
+_TORCH_DTYPE_STANDINS = {name: TorchDType(dtype) for name, dtype in TORCH_DTYPES.items()}
+
+
+class Budget:
+    """What the stand-in functions may build for one pickle, in proportion to its size: a pickle
+    that names a large value again and again through its memo cannot make them copy it each time."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, data_size: int) -> None:
+        self.left = 4 * data_size + (1 << 16)
+
+    def spend(self, amount: int) -> None:
+        self.left -= amount
+        if self.left < 0:
+            raise _Bound("it builds values far larger than the file")
+
+
+class _Function(Sealed):
+    """One of the functions a pickle may call, bound to the budget of the pickle being read."""
+
+    __slots__ = ("function", "budget")
+    function: Callable[..., object]
+    budget: Budget
+
+    def __init__(self, function: Callable[..., object], budget: Budget) -> None:
+        object.__setattr__(self, "function", function)
+        object.__setattr__(self, "budget", budget)
+
+    def __call__(self, *args: object) -> object:
+        self.budget.spend(len(args))
+        return self.function(self.budget, *args)
+
+    def __repr__(self) -> str:
+        return f"function {self.function.__name__}"
+
+
+class Refused(Exception):
+    """The pickle names something mpicons does not stand in for."""
+
+
+class _Bound(Exception):
+    """The pickle passes one of the bounds on what reading it may build."""
+
+
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxtuple, _SHOWN.maxlist, _SHOWN.maxdict = 3, 80, 80, 8, 8, 8
+
+
+def shown(value: object) -> str:
+    """A value from an input, shortened for a message (a hostile value can be huge or deeply nested)."""
+    try:
+        return _SHOWN.repr(value)
+    except Exception:  # a stand-in's repr cannot fail, but a message must never be what fails
+        return f"a {type(value).__name__}"
+
+
+def _torch_dtype(module: str, name: str) -> TorchDType | None:
+    return _TORCH_DTYPE_STANDINS.get(name) if module == "torch" else None
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """A restricted unpickler: ``find_class`` hands out only read-only stand-ins (functions bound to
+    this pickle's budget, made afresh for each pickle) and refuses every other name."""
+
+    functions: dict[tuple[str, str], Callable[..., object]] = {}
+    others: dict[tuple[str, str], object] = {}
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        budget = Budget(len(data))
+        self._found = {key: _Function(function, budget) for key, function in self.functions.items()}
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = self._found.get((module, name)) or self.others.get((module, name)) or _torch_dtype(module, name)
+        if found is None:
+            raise Refused(f"{module}.{name}")
+        return found
+
+
+_UNREADABLE = (
+    pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError, RecursionError,
+    OverflowError, UnicodeError,
+)  # fmt: skip
+
+
+def unpickle(data: bytes, unpickler: type[RestrictedUnpickler], path: str, what: str) -> object:
+    """``data`` unpickled with ``unpickler`` after :func:`check_opcodes`; every failure is bad input."""
+    try:
+        check_opcodes(data)
+        return unpickler(data).load()
+    except Refused as exc:
+        raise InputError(
+            f"{path}: unsupported: {what} names {exc}, which is not part of DCP's checkpoint format "
+            "(refused without running anything)"
+        ) from None
+    except _Bound as exc:
+        raise InputError(
+            f"{path}: {what} is refused: {exc} (a {len(data)}-byte pickle; damaged or not written by torch?)"
+        ) from None
+    except _UNREADABLE as exc:
+        raise InputError(f"{path}: {what} is not a readable pickle ({type(exc).__name__}: {shown(str(exc))})") from None
+    except MemoryError:
+        raise InputError(f"{path}: {what} is not a readable pickle (it asks for more memory than there is)") from None
+
+
+#: Nesting deeper than this is refused before anything is built: DCP's metadata nests about a dozen
+#: levels, and Python's unpickler hashes dict keys recursively (a tuple nested 100,000 deep crashes it).
+MAX_DEPTH = 64
+
+# Opcode kinds of the pre-scan (see :func:`check_opcodes`).
+_ATOM, _COUNTED, _LINE, _EMPTY, _MEMOIZE, _GET, _PUT, _TUPLE_N, _FROM_MARK, _INTO_MARK = range(10)
+_MARK, _REDUCE, _BUILD, _APPEND, _SETITEM, _POP, _POP_MARK, _DUP, _STACK_GLOBAL, _PERSID = range(10, 20)
+_NEWOBJ, _NEWOBJ_EX, _GLOBAL, _INST, _FRAME, _PROTO, _STOP = range(20, 27)
+_KIND: dict[bytes, tuple[int, int]] = {  # opcode → (kind, argument bytes or length-prefix bytes)
+    **{op: (_ATOM, 0) for op in (b"N", b"\x88", b"\x89")},
+    b"K": (_ATOM, 1), b"M": (_ATOM, 2), b"J": (_ATOM, 4), b"G": (_ATOM, 8),
+    **{op: (_COUNTED, 1) for op in (b"\x8c", b"C", b"U", b"\x8a")},
+    **{op: (_COUNTED, 4) for op in (b"X", b"B", b"T", b"\x8b")},
+    **{op: (_COUNTED, 8) for op in (b"\x8d", b"\x8e", b"\x96")},
+    **{op: (_LINE, 0) for op in (b"I", b"L", b"F", b"S", b"V")},
+    **{op: (_EMPTY, 0) for op in (b"]", b")", b"}", b"\x8f")},
+    b"\x94": (_MEMOIZE, 0), b"g": (_GET, -1), b"h": (_GET, 1), b"j": (_GET, 4),
+    b"p": (_PUT, -1), b"q": (_PUT, 1), b"r": (_PUT, 4),
+    b"\x85": (_TUPLE_N, 1), b"\x86": (_TUPLE_N, 2), b"\x87": (_TUPLE_N, 3),
+    **{op: (_FROM_MARK, 0) for op in (b"t", b"l", b"d", b"\x91", b"o")},
+    **{op: (_INTO_MARK, 0) for op in (b"e", b"u", b"\x90")},
+    b"(": (_MARK, 0), b"R": (_REDUCE, 0), b"b": (_BUILD, 0), b"a": (_APPEND, 0), b"s": (_SETITEM, 0),
+    b"0": (_POP, 0), b"1": (_POP_MARK, 0), b"2": (_DUP, 0), b"\x93": (_STACK_GLOBAL, 0),
+    b"P": (_PERSID, -1), b"Q": (_PERSID, 0), b"\x81": (_NEWOBJ, 0), b"\x92": (_NEWOBJ_EX, 0),
+    b"c": (_GLOBAL, 0), b"i": (_INST, 0), b"\x95": (_FRAME, 8), b"\x80": (_PROTO, 1), b".": (_STOP, 0),
+}  # fmt: skip
+_KINDS = [_KIND.get(bytes([op]), (-1, 0)) for op in range(256)]
+#: The kinds :func:`_walk` handles inline, bound to local names there: its loop runs once per opcode.
+_HOT_KINDS = (_MEMOIZE, _GET, _ATOM, _MARK, _EMPTY, _TUPLE_N, _REDUCE, _NEWOBJ, _BUILD, _FROM_MARK, _INTO_MARK, _COUNTED)
+
+
+class _Stop(Exception):
+    """The pre-scan reached STOP: the pickle's end, every bound held."""
+
+
+def check_opcodes(data: bytes) -> None:
+    """Walk the pickle's opcodes once, without building anything, and refuse what would make the
+    unpickler take memory out of proportion to the file or crash: a memo index beyond the entries
+    stored so far (the unpickler grows its memo array to the largest index), a length reaching past
+    the end of the data, nesting deeper than :data:`MAX_DEPTH`, opcodes DCP's pickles never use
+    (extension registry, out-of-band buffers). Linear: one step per opcode, the common ones inline."""
+    try:
+        _walk(data)
+    except _Stop:
+        return
+    except IndexError:
+        raise pickle.UnpicklingError("the pickle takes more values from its stack or memo than it put there") from None
+
+
+def _walk(data: bytes) -> None:
+    kinds, size, at, from_bytes, limit = _KINDS, len(data), 0, int.from_bytes, MAX_DEPTH
+    memoize, get, atom, mark, empty, tuple_n, reduce, newobj, build, from_mark, into_mark, counted = _HOT_KINDS
+    stack: list[int] = []  # nesting depth of each value on the unpickler's stack
+    marks: list[int] = []
+    memo: list[int] = []
+    while at < size:
+        kind, arg = kinds[data[at]]
+        at += 1
+        if kind == memoize:
+            memo.append(stack[-1])
+        elif kind == get:
+            if arg == 1:
+                stack.append(memo[data[at]])
+                at += 1
+            elif arg == 4:
+                stack.append(memo[from_bytes(data[at : at + 4], "little")])
+                at += 4
+            else:
+                index, at = _opcode_index(data, at, arg)
+                stack.append(memo[index])
+        elif kind == atom:
+            stack.append(0)
+            at += arg
+        elif kind == mark:
+            marks.append(len(stack))
+        elif kind == empty:
+            stack.append(1)
+        elif kind == tuple_n:
+            if len(stack) < arg:
+                raise IndexError
+            depth = 1 + max(stack[-arg:])
+            del stack[-arg:]
+            stack.append(depth)
+            if depth > limit:
+                _deep(depth)
+        elif kind == reduce or kind == newobj:
+            depth = stack.pop()
+            stack[-1] = depth if depth > 1 else 1
+        elif kind == build:
+            depth = 1 + stack.pop()
+            if depth > stack[-1]:
+                stack[-1] = depth if depth <= limit else _deep(depth)
+        elif kind == from_mark or kind == into_mark:
+            start = marks.pop()
+            depth = 1 + max(stack[start:], default=0)
+            del stack[start:]
+            if kind == into_mark:
+                stack[-1] = _deep(max(stack[-1], depth))
+            else:
+                stack.append(_deep(depth))
+        elif kind == counted:
+            at += arg + from_bytes(data[at : at + arg], "little")
+            if at > size:
+                raise pickle.UnpicklingError("a value reaches past the end of the pickle")
+            stack.append(0)
+        else:
+            at = _rare_opcode(data, at, data[at - 1], kind, arg, stack, marks, memo)
+    raise pickle.UnpicklingError("the pickle ends without a STOP")
+
+
+def _deep(depth: int) -> int:
+    if depth > MAX_DEPTH:
+        raise _Bound(f"it nests values more than {MAX_DEPTH} deep")
+    return depth
+
+
+def _opcode_index(data: bytes, at: int, width: int) -> tuple[int, int]:
+    """A memo index: ``width`` little-endian bytes, or a decimal line when ``width`` is -1."""
+    if width > 0:
+        if at + width > len(data):
+            raise pickle.UnpicklingError("the pickle is truncated")
+        return int.from_bytes(data[at : at + width], "little"), at + width
+    end = data.find(b"\n", at)
+    if end < 0 or not data[at:end].isdigit() or end - at > 18:
+        raise pickle.UnpicklingError("a malformed memo index")
+    return int(data[at:end]), end + 1
+
+
+def _pop(stack: list[int], count: int) -> int:
+    """Remove ``count`` values; the deepest of them."""
+    if len(stack) < count:
+        raise pickle.UnpicklingError("stack underflow")
+    deepest = max(stack[len(stack) - count :], default=0)
+    del stack[len(stack) - count :]
+    return deepest
+
+
+def _line_end(data: bytes, at: int, lines: int = 1) -> int:
+    for _ in range(lines):
+        end = data.find(b"\n", at)
+        if end < 0:
+            raise pickle.UnpicklingError("the pickle is truncated")
+        at = end + 1
+    return at
+
+
+def _rare_opcode(data: bytes, at: int, op: int, kind: int, arg: int, stack: list[int], marks: list[int], memo: list[int]) -> int:
+    """:func:`check_opcodes` for the opcodes that are not in every piece's record; raises :class:`_Stop` at STOP."""
+    if kind == _PUT:
+        index, at = _opcode_index(data, at, arg)
+        if index > len(memo):
+            raise _Bound(f"it stores memo entry {index} after {len(memo)} entries")
+        if not stack:
+            raise pickle.UnpicklingError("PUT on an empty stack")
+        memo.append(stack[-1]) if index == len(memo) else memo.__setitem__(index, stack[-1])
+    elif kind in (_NEWOBJ_EX, _STACK_GLOBAL):
+        deepest = _pop(stack, 3 if kind == _NEWOBJ_EX else 2)
+        stack.append(0 if kind == _STACK_GLOBAL else max(deepest, 1))
+    elif kind in (_APPEND, _SETITEM):
+        depth = 1 + _pop(stack, 2 if kind == _SETITEM else 1)
+        if not stack:
+            raise pickle.UnpicklingError("stack underflow")
+        stack[-1] = _deep(max(stack[-1], depth))
+    elif kind == _POP:
+        if marks and marks[-1] == len(stack):
+            marks.pop()
+        else:
+            _pop(stack, 1)
+    elif kind == _POP_MARK:
+        if not marks:
+            raise pickle.UnpicklingError("no MARK")
+        del stack[marks.pop() :]
+    elif kind == _DUP:
+        stack.append(stack[-1])
+    elif kind == _PERSID:
+        if arg < 0:
+            at = _line_end(data, at)
+            stack.append(1)
+        else:
+            stack.append(max(_pop(stack, 1), 1))
+    elif kind in (_LINE, _GLOBAL):
+        at = _line_end(data, at, 2 if kind == _GLOBAL else 1)
+        stack.append(0)
+    elif kind == _INST:
+        at = _line_end(data, at, 2)
+        if not marks:
+            raise pickle.UnpicklingError("no MARK")
+        start = marks.pop()
+        depth = 1 + max(stack[start:], default=0)
+        del stack[start:]
+        stack.append(_deep(depth))
+    elif kind == _FRAME:
+        if at + 8 > len(data) or at + 8 + int.from_bytes(data[at : at + 8], "little") > len(data):
+            raise pickle.UnpicklingError("a frame reaches past the end of the pickle")
+        at += 8
+    elif kind == _PROTO:
+        at += 1
+    elif kind == _STOP:
+        raise _Stop
+    else:
+        raise pickle.UnpicklingError(f"opcode {bytes([op])!r}, which DCP's pickles do not use")
+    return at
+
+
+__all__ = [
+    "MAX_DEPTH",
+    "TORCH_DTYPES",
+    "Budget",
+    "Refused",
+    "RestrictedUnpickler",
+    "Sealed",
+    "TorchDType",
+    "check_opcodes",
+    "shown",
+    "unpickle",
+]
