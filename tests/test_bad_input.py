@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from mpicons.core.errors import InputError
 from mpicons.core.headers import read_table
-from mpicons.core.plan import build_plan
 from mpicons.frontends.cli import main
+from mpicons.testing import build_plan
 
 SOURCE = FIXTURES / "edge-3ranks" / "sharded"
 MAPPING = FIXTURES / "edge-3ranks" / "expected" / "mapping.json"

@@ -89,7 +89,7 @@ def test_planning_memory_is_the_ranks_share_of_the_pieces(mpi_tmp_path):
     from mpi4py import MPI
 
     from mpicons.comm import as_communicator
-    from mpicons.core.plan import build_layout
+    from mpicons.core.planner import build_layout
     from mpicons.job.scan import distribute, scan
 
     comm = as_communicator(MPI.COMM_WORLD)

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from mpicons.core.errors import InputError
 from mpicons.core.format import DTYPE_ORDER
-from mpicons.core.plan import build_plan, parse_mapping
+from mpicons.core.mapping import parse_mapping
 from mpicons.core.table import Pieces, Table, shard_files, to_storage_units
+from mpicons.testing import build_plan
 
 Piece = tuple[str, str, str, list[int], list[int]]  # (file, tensor, dtype, offsets, shape)
 
@@ -206,9 +207,9 @@ def test_byte_split_balances_within_a_row(rows_per_tensor, ranks):
 
 
 def test_coverage_of_a_large_irregular_tiling_uses_pairwise_fallback(monkeypatch):
-    import mpicons.core.plan as plan_module
+    import mpicons.core.coverage as coverage_module
 
-    monkeypatch.setattr(plan_module, "MAX_GRID_CELLS", 4)
+    monkeypatch.setattr(coverage_module, "MAX_GRID_CELLS", 4)
     good = [("a", "w", "F32", [0, 0], [2, 3]), ("a", "w", "F32", [2, 0], [2, 3]), ("b", "w", "F32", [0, 3], [4, 2])]
     build_plan(make_table(good), 1)
     with pytest.raises(InputError, match="overlap"):

@@ -21,7 +21,7 @@ def measure(directory: Path, result: Path) -> None:
 
     sys.path.insert(0, str(REPO))
     from mpicons.comm import as_communicator
-    from mpicons.core.plan import build_layout
+    from mpicons.core.planner import build_layout
     from mpicons.job.scan import distribute, scan
 
     comm = MPI.COMM_WORLD

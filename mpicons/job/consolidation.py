@@ -140,9 +140,15 @@ def scan_inputs(input_dir: str, comm: Comm, options: Options) -> Scanned:
 
 
 def layout_of(
-    scanned: Scanned, ranks: int, options: Options, mapping: dict[str, str] | None, problems: Problems | None = None
+    scanned: Scanned,
+    ranks: int,
+    options: Options,
+    mapping: dict[str, str] | None,
+    problems: Problems | None = None,
+    gather_to: int | None = None,
 ) -> Layout:
-    """The layout of what the scan found, for ``ranks`` writers and these options (pure).
+    """The layout of what the scan found, for ``ranks`` writers and these options (pure); ``gather_to``
+    gives all the work to that rank.
 
     Inputs that name no output files (``.distcp``) are sharded like Hugging Face's ``save_pretrained``
     (5GB files in the order the tensors were saved) unless a mapping or a shard size is given.
@@ -152,17 +158,14 @@ def layout_of(
         max_shard_size = HF_MAX_SHARD_SIZE
     return build_layout(
         scanned.files, scanned.names, scanned.facts, ranks, mapping=mapping, split=options.split, dtype=options.dtype,
-        max_shard_size=max_shard_size, saved_order=scanned.order, problems=problems,
+        max_shard_size=max_shard_size, saved_order=scanned.order, problems=problems, gather_to=gather_to,
     )  # fmt: skip
 
 
 def plan_job(comm: Comm, scanned: Scanned, options: Options, mapping: dict[str, str] | None) -> tuple[Layout, Part]:
     """The layout (the same on every rank) and this rank's checked part of the pieces."""
-    layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping))
+    layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, gather_to=options.gather_to))
     agree(comm, lambda: output_format(options.output_format).check(layout))
-    if options.gather_to is not None:
-        everything = [item for items in layout.work for item in items]
-        layout.work = [everything if rank == options.gather_to else [] for rank in range(comm.size)]
     return layout, distribute(comm, scanned, layout)
 
 

@@ -15,8 +15,10 @@ import hashlib
 import numpy as np
 
 from ..comm.agreement import Comm, agree
+from ..core.coverage import element_region
 from ..core.errors import InputError
-from ..core.plan import Layout, Part, Replicas, _element_region
+from ..core.layout import Layout
+from ..core.parts import Part, Replicas
 from ..io.sources import SourceFiles
 from .scan import Scanned, exchange
 
@@ -48,7 +50,7 @@ def divergence(layout: Layout, replicas: Replicas, digests: dict[int, bytes]) ->
         if replicas.group[a] != replicas.group[b] or digests[int(a)] == digests[int(b)]:
             continue
         tensor = layout.tensors[int(replicas.tensor[a])]
-        region = _element_region(tensor, replicas.offset[a], replicas.offset[a] + replicas.shape[a])
+        region = element_region(tensor, replicas.offset[a], replicas.offset[a] + replicas.shape[a])
         return (
             f"tensor {tensor.name!r}: replicas differ: region {region} is stored in "
             f"{layout.source_files[int(replicas.file[a])]} and {layout.source_files[int(replicas.file[b])]} "
