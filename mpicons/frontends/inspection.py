@@ -257,6 +257,31 @@ def inspect(
     )
 
 
+def _shard_infos(files: ShardFiles, file_pieces: np.ndarray) -> list[ShardInfo]:
+    """One row per shard file: its name's numbers (None where the name has none), pieces and size."""
+    return [
+        ShardInfo(
+            name,
+            None if files.train_rank[f] < 0 else int(files.train_rank[f]),
+            None if files.out_index[f] < 0 else int(files.out_index[f]),
+            None if files.out_count[f] < 0 else int(files.out_count[f]),
+            int(file_pieces[f]),
+            int(files.size[f]),
+        )
+        for f, name in enumerate(files.names)
+    ]
+
+
+def _work_per_rank(layout: Layout, split: str, ranks: int) -> list[RankInfo]:
+    """What each rank of a ``ranks``-rank job would write under the ``split`` policy."""
+    per_rank = []
+    for rank, items in enumerate(SPLITS[split](layout, ranks)):
+        work = tuple((layout.tensors[i.tensor].name, i.row_begin, i.row_end, layout.item_bytes(i)) for i in items)
+        touched = sorted({layout.tensors[i.tensor].file for i in items})
+        per_rank.append(RankInfo(rank, sum(w[3] for w in work), tuple(layout.files[f].name for f in touched), work))
+    return per_rank
+
+
 def describe(
     input_dir: str,
     files: ShardFiles,
@@ -275,17 +300,7 @@ def describe(
 ) -> InspectReport:
     """The report from the scan's facts, the layout and the problems found; pure, the same on every rank."""
     planned = not problems
-    shards = [
-        ShardInfo(
-            name,
-            None if files.train_rank[f] < 0 else int(files.train_rank[f]),
-            None if files.out_index[f] < 0 else int(files.out_index[f]),
-            None if files.out_count[f] < 0 else int(files.out_count[f]),
-            int(file_pieces[f]),
-            int(files.size[f]),
-        )
-        for f, name in enumerate(files.names)
-    ]
+    shards = _shard_infos(files, file_pieces)
     tensors = [
         TensorInfo(
             info.name,
@@ -303,12 +318,7 @@ def describe(
         FileInfo(out.name, len(out.tensors), sum(layout.tensors[t].nbytes for t in out.tensors), out.size if planned else None)
         for out in layout.files
     ]
-    per_rank: list[RankInfo] = []
-    if planned:
-        for rank, items in enumerate(SPLITS[split](layout, ranks)):
-            work = tuple((layout.tensors[i.tensor].name, i.row_begin, i.row_end, layout.item_bytes(i)) for i in items)
-            touched = sorted({layout.tensors[i.tensor].file for i in items})
-            per_rank.append(RankInfo(rank, sum(w[3] for w in work), tuple(layout.files[f].name for f in touched), work))
+    per_rank = _work_per_rank(layout, split, ranks) if planned else []
     listed = [*problems.general]
     listed += [problems.by_tensor[t] for t in sorted(problems.by_tensor, key=lambda t: natural_key(layout.tensors[t].name))]
     tensors.sort(key=lambda info: natural_key(info.name))
