@@ -268,7 +268,7 @@ def test_members_passing_different_arguments_all_raise_before_any_work(group: ob
             return
         with pytest.raises(InputError, match=r"\[rank 1\] consolidate: argument output differs between ranks"):
             mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", mine, comm=group)
-        with pytest.raises(InputError, match=r"\[rank 1\] inspect: argument options differs"):
+        with pytest.raises(InputError, match=r"\[rank 1\] inspect: argument buffer_size differs"):
             mpicons.inspect(FIXTURES / "edge-3ranks" / "sharded", comm=group, buffer_size=(1 + dist.get_rank()) << 20)
 
     agreed(raises)

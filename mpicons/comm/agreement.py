@@ -152,6 +152,19 @@ def _fingerprint(value: object) -> tuple[str, str]:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest(), shown
 
 
+def _spread(arguments: Mapping[str, object]) -> dict[str, object]:
+    """Arguments to compare, an options object field by field (so a message names the field) without
+    the fields marked ``rank_local`` (machine tuning a rank may set for itself)."""
+    spread: dict[str, object] = {}
+    for name, value in arguments.items():
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            fields = [f for f in dataclasses.fields(value) if not f.metadata.get("rank_local")]
+            spread.update((f.name, getattr(value, f.name)) for f in fields)
+        else:
+            spread[name] = value
+    return spread
+
+
 def agree_arguments(comm: Comm, call: str, **arguments: object) -> None:
     """Refuse, on every rank alike and before any work, a collective call whose ranks passed different
     arguments (a different output directory on one rank would otherwise be silently ignored).
@@ -159,7 +172,7 @@ def agree_arguments(comm: Comm, call: str, **arguments: object) -> None:
     Each rank sends a digest of every argument (paths as the caller made them absolute); the first
     argument that differs from rank 0's is named with both values.
     """
-    prints = agree(comm, lambda: {name: _fingerprint(value) for name, value in arguments.items()}, gather=True)
+    prints = agree(comm, lambda: {name: _fingerprint(value) for name, value in _spread(arguments).items()}, gather=True)
     for rank, theirs in enumerate(prints):
         for name, (digest, shown) in theirs.items():
             if digest != prints[0][name][0]:

@@ -52,11 +52,13 @@ def io_threads_from_environment(environ: Mapping[str, str] | None = None) -> int
     return int(value)
 
 
-def _option(default: Any, doc: str, factory: Callable[[], Any] | None = None) -> Any:
-    """A field with its documentation kept where ``help(Options)`` and tools can read it."""
+def _option(default: Any, doc: str, factory: Callable[[], Any] | None = None, rank_local: bool = False) -> Any:
+    """A field with its documentation kept where ``help(Options)`` and tools can read it; a
+    ``rank_local`` one (machine tuning) may differ between the ranks of one job."""
+    metadata = {"doc": doc, "rank_local": rank_local}
     if factory is not None:
-        return field(default_factory=factory, metadata={"doc": doc})
-    return field(default=default, metadata={"doc": doc})
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -121,6 +123,7 @@ class Options:
         f"Background threads per rank for posix writes and kernel copies, overlapping the next block's assembly "
         f"(0: none). Not a command-line option: ``{IO_THREADS_VARIABLE}`` gives it, read when the options are made.",
         factory=io_threads_from_environment,
+        rank_local=True,
     )
 
     def check(self, ranks: int) -> None:
