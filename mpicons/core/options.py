@@ -118,6 +118,21 @@ class Options:
     strip_prefix: str | None = _option(
         None, "Remove this prefix from the names that start with it (``model.`` for accelerate's FSDP checkpoints)."
     )
+    adapter: str | None = _option(
+        None,
+        "Map a training framework's names and layouts to Hugging Face's: ``torchtitan`` (the built-in rules, "
+        "chosen by the assets' ``config.json`` ``model_type``) or a path to a rule file (docs/adapter-rules.md). "
+        "None: tensors keep their saved names and layouts.",
+    )
+    hf_assets: str | os.PathLike[str] | None = _option(
+        None,
+        "A directory of the model's Hugging Face files (``config.json``, tokenizer files, ``generation_config.json``; "
+        "optionally ``model.safetensors.index.json``, whose ``weight_map`` then decides the output files). They are "
+        "published with the weights, in the same transaction. Required by an adapter whose rules read the config.",
+    )
+    keep_dtype: tuple[str, ...] = _option(
+        (), "Glob patterns (on the output name): with ``dtype``, tensors matching one keep their saved dtype."
+    )
     io_threads: int = _option(
         None,
         f"Background threads per rank for posix writes and kernel copies, overlapping the next block's assembly "
@@ -141,9 +156,13 @@ class Options:
             raise InputError(f"--max-shard-size must be positive (got {self.max_shard_size})")
         if self.mapping is not None and self.max_shard_size is not None:
             raise InputError("--mapping and --max-shard-size both decide the output files: give one")
-        for pattern in (*self.include, *self.exclude):
+        for pattern in (*self.include, *self.exclude, *self.keep_dtype):
             if not isinstance(pattern, str) or not pattern:
-                raise InputError(f"--include/--exclude patterns are non-empty strings (got {pattern!r})")
+                raise InputError(f"--include/--exclude/--keep-dtype patterns are non-empty strings (got {pattern!r})")
+        if self.keep_dtype and self.dtype is None:
+            raise InputError("--keep-dtype keeps tensors out of a --dtype conversion: give --dtype too")
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
+            raise InputError(f"--adapter is 'torchtitan' or a rule file's path (got {self.adapter!r})")
         if self.strip_prefix is not None and (not isinstance(self.strip_prefix, str) or not self.strip_prefix):
             raise InputError(f"--strip-prefix must be a non-empty string (got {self.strip_prefix!r})")
         if self.gather_to is not None:
@@ -158,7 +177,7 @@ class Options:
         unknown = sorted(set(changes) - known)
         if unknown:
             raise TypeError(f"unknown option {unknown[0]!r} (options: {', '.join(sorted(known))})")
-        for name in ("include", "exclude"):  # one pattern or several
+        for name in ("include", "exclude", "keep_dtype"):  # one pattern or several
             if isinstance(changes.get(name), str):
                 changes[name] = (changes[name],)
             elif name in changes:
