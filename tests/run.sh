@@ -4,7 +4,9 @@
 # the MPI tests at 1, 2, 3 and 4 ranks; the torch.distributed tests under torchrun (2 processes;
 # 1 to 4 with slow tests). Tests marked slow run only with --run-slow (or MPICONS_SLOW=1, as CI
 # does). torch (version MPICONS_TORCH, default 2.13.0) is installed into .venv for the torchrun
-# tests unless one is there; MPICONS_TORCH=none skips them.
+# tests unless one is there, and with it transformers 5.24.0 (for the tests that load adapter
+# output as a model) unless that imports; MPICONS_TORCH=none installs neither and skips the torchrun
+# tests (tests needing transformers skip themselves when it is missing).
 #   bash tests/run.sh              # the default run: about five minutes on two cores, most of it
 #                                  # the four MPI passes (each starts its ranks and MPI subprocesses)
 #   bash tests/run.sh --run-slow   # everything: much longer (the slow tests are the large and
@@ -19,6 +21,9 @@ PYTHON=${PYTHON:-python3}
 TORCH=${MPICONS_TORCH:-2.13.0}
 if [ "$TORCH" != none ] && ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   .venv/bin/python -m pip install -q "torch==$TORCH"
+fi
+if [ "$TORCH" != none ] && ! .venv/bin/python -c 'import transformers' 2>/dev/null; then
+  .venv/bin/python -m pip install -q "transformers==5.24.0"
 fi
 slow=0
 [ "${MPICONS_SLOW:-}" = 1 ] && slow=1
