@@ -134,6 +134,7 @@ def direct_pieces(layout: Layout, part: Part, shared: bool = True) -> np.ndarray
     arrays = layout.arrays
     storage, converting, unit = arrays.storage, arrays.converting, arrays.source_unit
     full = np.all((pieces.shape[:, 1:] == storage[pieces.tensor, 1:]) & (pieces.offset[:, 1:] == 0), axis=1)
+    full &= arrays.same_from[pieces.tensor] == 0  # rows in another order are assembled
     nbytes = np.prod(pieces.shape, axis=1) * unit[pieces.tensor]
     return full & ~converting[pieces.tensor] & (nbytes >= DIRECT_MIN) & shared
 
@@ -176,7 +177,7 @@ def split_segment(layout: Layout, segment: Segment, block_bytes: int) -> Iterato
     tensor = layout.tensors[segment.tensor]
     level = len(segment.prefix)
     row = _row_units(tensor, level) * max(tensor.unit, tensor.source_unit)
-    if row <= block_bytes:
+    if row <= block_bytes or tensor.axes is not None:  # a reordered row (one head) is never cut: its block grows
         step = max(1, block_bytes // max(1, row))
         for begin in range(segment.row_begin, segment.row_end, step):
             yield Segment(segment.tensor, begin, min(segment.row_end, begin + step), segment.prefix)
@@ -252,7 +253,8 @@ def runs_of(layout: Layout, part: Part, block: Block, limit: int | None = None) 
     tensor_ids = pieces.tensor[piece]
     storage = layout.arrays.storage[tensor_ids]
     shape, offset = pieces.shape[piece], pieces.offset[piece]
-    innermost = _innermost(shape, offset, storage)
+    # Reordered dims (an adapter's rotary rows) are never inside a run: runs start below them.
+    innermost = np.maximum(_innermost(shape, offset, storage), layout.arrays.same_from[tensor_ids])
     if limit is not None:
         per_row = np.ones(len(piece), dtype=np.int64)
         for d in range(1, storage.shape[1]):
@@ -272,6 +274,7 @@ def runs_of(layout: Layout, part: Part, block: Block, limit: int | None = None) 
         base[segment],
         pieces.holder[piece].astype(np.int64),
         innermost,
+        layout.arrays.axes[tensor_ids],
     )
 
 
@@ -325,11 +328,14 @@ def _runs(
     base: np.ndarray,
     holder: np.ndarray,
     innermost: np.ndarray | None = None,
+    axes: np.ndarray | None = None,
 ) -> Runs:
     """Runs of pieces (one row each) restricted to rows ``[low, high)`` of dimension 0.
 
     Dimensions after the innermost one a piece does not span in full are contiguous in both the
-    piece and the output: one run per index of the dimensions between 0 and that one.
+    piece and the output: one run per index of the dimensions between 0 and that one. With
+    ``axes`` (output dim k is storage dim ``axes[:, k]``), a storage dim's step in the output is
+    that of its place in the output's order.
     """
     width = storage.shape[1]
     if innermost is None:
@@ -337,9 +343,14 @@ def _runs(
     # Units per step of each dimension, in the piece's own box and in the full tensor.
     piece_step = np.ones_like(shape)
     full_step = np.ones_like(storage)
+    out_storage = storage if axes is None else np.take_along_axis(storage, axes, axis=1)
     for d in range(width - 2, -1, -1):
         piece_step[:, d] = piece_step[:, d + 1] * shape[:, d + 1]
-        full_step[:, d] = full_step[:, d + 1] * storage[:, d + 1]
+        full_step[:, d] = full_step[:, d + 1] * out_storage[:, d + 1]
+    if axes is not None:  # the output's steps, re-indexed by storage dim
+        by_storage = np.empty_like(full_step)
+        np.put_along_axis(by_storage, axes, full_step, axis=1)
+        full_step = by_storage
 
     def runs_at(which: np.ndarray, src_units: np.ndarray, dst_units: np.ndarray, length_units: np.ndarray) -> Runs:
         u = unit[which]

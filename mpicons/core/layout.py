@@ -35,6 +35,9 @@ class Tensor:
     offset: int = 0
     source_dtype: str = ""  # dtype in the shards when converting (``--dtype``), else == dtype
     source_unit: int = 0
+    #: None: the output is ``storage`` in C order. Else output dim ``k`` is storage dim ``axes[k]``
+    #: (a model adapter's rotary row order); ``axes[0] == 0`` always, so rows stay rows.
+    axes: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not self.source_dtype:
@@ -89,6 +92,10 @@ class TensorArrays:
     unit: np.ndarray  # int64[T]
     converting: np.ndarray  # bool[T]
     rows: np.ndarray  # int64[T]
+    #: int64[T, D]: output dim k is storage dim axes[t, k] (identity but for an adapter's row orders)
+    axes: np.ndarray
+    #: int64[T]: the first storage dim from which the output order is the storage order
+    same_from: np.ndarray
 
 
 @dataclass
@@ -104,7 +111,16 @@ class Layout:
     def arrays(self) -> TensorArrays:
         tensors = self.tensors
         width = max([len(t.storage) for t in tensors], default=1)
+        axes = np.tile(np.arange(width, dtype=np.int64), (len(tensors), 1))
+        same_from = np.zeros(len(tensors), dtype=np.int64)
+        for i, t in enumerate(tensors):
+            if t.axes is not None:
+                axes[i, : len(t.axes)] = t.axes
+                moved = np.flatnonzero(axes[i] != np.arange(width))
+                same_from[i] = int(moved[-1]) + 1 if len(moved) else 0
         return TensorArrays(
+            axes=axes,
+            same_from=same_from,
             storage=np.array([t.storage for t in tensors], dtype=np.int64).reshape(len(tensors), width),
             source_unit=np.array([t.source_unit for t in tensors], dtype=np.int64),
             unit=np.array([t.unit for t in tensors], dtype=np.int64),

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 
 import numpy as np
 
+from .adapting import View, keep_dtype_matches
 from .convert import converted_dtype
 from .errors import InputError
 from .facts import FACT_KEY, TensorFacts
@@ -86,8 +87,13 @@ def _agreement(files: ShardFiles, names: list[str], facts: TensorFacts, problems
     return broken
 
 
-def tensor_table(files: ShardFiles, names: list[str], facts: TensorFacts, problems: Problems) -> list[Tensor]:
-    """The full tensors (dtype of the first piece, full shape = max extent) and their tensor-level problems."""
+def tensor_table(
+    files: ShardFiles, names: list[str], facts: TensorFacts, problems: Problems, views: Mapping[int, View] | None = None
+) -> list[Tensor]:
+    """The full tensors (dtype of the first piece, full shape = max extent) and their tensor-level problems.
+
+    ``views`` gives the header shape and output axes of tensors whose pieces are in other coordinates
+    (a model adapter's rotary row orders)."""
     broken = _agreement(files, names, facts, problems)
     dtype = (facts.dtype_first % FACT_KEY).astype(np.int64)
     ndim = (facts.ndim_first % FACT_KEY).astype(np.int64)
@@ -96,11 +102,13 @@ def tensor_table(files: ShardFiles, names: list[str], facts: TensorFacts, proble
         kind = DTYPES[int(dtype[t])]
         storage = tuple(int(x) for x in (facts.extent[t] if facts.declared is None else facts.declared[t]))
         rank = int(ndim[t])
-        shape = list(storage[:rank])
+        view = None if views is None else views.get(t)
+        shape = list(storage[:rank] if view is None else view.shape)
         unit = kind.bits // 8 if kind.bits % 8 == 0 else 1
-        if kind.bits % 8 and rank:
-            shape[-1] = storage[rank - 1] * 8 // kind.bits
-        tensors.append(Tensor(name, kind.name, tuple(shape), storage, unit))
+        if kind.bits % 8 and shape:
+            shape[-1] = shape[-1] * 8 // kind.bits
+        axes = None if view is None or view.axes is None else tuple(view.axes) + tuple(range(len(view.axes), len(storage)))
+        tensors.append(Tensor(name, kind.name, tuple(shape), storage, unit, axes=axes))
         if t in broken:
             continue
         if facts.declared is not None and (facts.extent[t] > facts.declared[t]).any():
@@ -211,7 +219,9 @@ def _layout(tensors: list[Tensor], assignment: list[str]) -> tuple[list[Tensor],
     return placed, files
 
 
-def _converted(tensor: Tensor, target: str | None) -> Tensor:
+def _converted(tensor: Tensor, target: str | None, keep: Sequence[str] = ()) -> Tensor:
+    if keep and keep_dtype_matches(tensor.name, keep):
+        return tensor
     dtype = converted_dtype(tensor.dtype, target)
     if dtype == tensor.dtype:
         return tensor
@@ -231,11 +241,14 @@ def build_layout(
     saved_order: np.ndarray | None = None,
     problems: Problems | None = None,
     gather_to: int | None = None,
+    views: Mapping[int, View] | None = None,
+    keep_dtype: Sequence[str] = (),
 ) -> Layout:
     """The layout for ``ranks`` writers. With strict ``problems`` (the default) the first problem is
     raised as InputError naming the tensor and files; otherwise problems are collected and a
     layout is still returned (broken tensors keep the first piece's dtype and the extent as shape).
-    ``gather_to`` gives all the work to that rank (see :func:`split_work`)."""
+    ``gather_to`` gives all the work to that rank (see :func:`split_work`); ``views`` are a model
+    adapter's (see :func:`tensor_table`); tensors whose name matches a ``keep_dtype`` glob are not converted."""
     problems = Problems(strict=True) if problems is None else problems
     if mapping is not None and max_shard_size is not None:
         problems.add(Problem("--mapping and --max-shard-size both decide the output files: give one", kind="options"))
@@ -247,7 +260,7 @@ def build_layout(
     if max_shard_size is not None and max_shard_size <= 0:
         raise InputError(f"--max-shard-size must be positive (got {max_shard_size})")
     check_files(files, mapping, problems)
-    tensors = [_converted(t, dtype) for t in tensor_table(files, names, facts, problems)]
+    tensors = [_converted(t, dtype, keep_dtype) for t in tensor_table(files, names, facts, problems, views)]
     assignment = _assign_files(files, tensors, facts, mapping, problems)
     if max_shard_size is not None:
         assignment = _pack_shards(tensors, assignment, max_shard_size, saved_order)

@@ -6,8 +6,8 @@ import json
 import logging
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
 
 from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on, wait_for_all
@@ -15,19 +15,23 @@ from ..comm.interrupts import deferred, forget_pending, raise_pending, raising_i
 from ..core.errors import InputError, MpiconsError
 from ..core.machine import check_buffer_size, check_names_fit, check_path_fits, host_name
 from ..core.names import INDEX_NAME
-from ..core.options import DEFAULT_BUFFER_SIZE, FORMATS, Options
+from ..core.options import DEFAULT_BUFFER_SIZE, DTYPE_TARGETS, FORMATS, Options
 from ..core.plan import HF_MAX_SHARD_SIZE, Layout, Part, Problems, build_layout, parse_mapping
 from ..io.backends import open_output
 from ..io.formats import OutputFormat, output_format
 from ..io.outdir import OutputDir
 from ..io.outputs import OutputBackend
 from ..io.sources import SourceFiles
+from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter
 from .exchange import ExchangeWriter
 from .progress import Progress
 from .replicas import check_replicas
 from .scan import Scanned, distribute, rank_directory, scan, select
 from .stats import PhaseClock, Stats, reduce_stats
 from .writer import Writer
+
+if TYPE_CHECKING:
+    from ..io.assets import HFAssets
 
 log = logging.getLogger("mpicons")
 
@@ -51,6 +55,10 @@ class ConsolidateResult:
     shared_input: bool  # every rank could read every shard file
     notes: list[str] = field(default_factory=list)  # what was found and mended in the output directory
     skipped: list[str] = field(default_factory=list)  # entries that are not tensors (``.distcp``), left out
+    #: The adapter's report: saved tensors skipped (per pattern) and dropped (each), one line each.
+    adapted: list[str] = field(default_factory=list)
+    #: The Hugging Face files published beside the weights (``hf_assets``).
+    assets: list[str] = field(default_factory=list)
 
 
 def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict[str, str]:
@@ -134,9 +142,20 @@ def check_buffer_fits(comm: Comm, buffer_size: int) -> None:
     agree(comm, lambda: check_buffer_size(buffer_size, hosts.count(hosts[comm.rank])))
 
 
-def scan_inputs(input_dir: str, comm: Comm, options: Options) -> Scanned:
-    """The scan of ``input_dir`` with the tensors ``options`` select (include, exclude, strip_prefix)."""
-    return select(scan(input_dir, comm), options.include, options.exclude, options.strip_prefix)
+def scan_inputs(input_dir: str, comm: Comm, options: Options, adapter: Adapter | None = None) -> Scanned:
+    """The scan of ``input_dir`` with the tensors ``options`` select (include, exclude, strip_prefix),
+    converted by the adapter's rules when there are any."""
+    scanned = select(scan(input_dir, comm), options.include, options.exclude, options.strip_prefix)
+    if adapter is not None and adapter.rules is not None:
+        scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
+    return scanned
+
+
+def mapping_of(options: Options, mapping: dict[str, str] | None, scanned: Scanned, adapter: Adapter) -> dict[str, str] | None:
+    """The output files' mapping: ``--mapping``, else the assets' index (unless ``--max-shard-size``), else None."""
+    if mapping is not None or options.max_shard_size is not None:
+        return mapping
+    return assets_mapping(scanned.conversion, adapter.assets)
 
 
 def layout_of(
@@ -159,6 +178,7 @@ def layout_of(
     return build_layout(
         scanned.files, scanned.names, scanned.facts, ranks, mapping=mapping, split=options.split, dtype=options.dtype,
         max_shard_size=max_shard_size, saved_order=scanned.order, problems=problems, gather_to=gather_to,
+        views=None if scanned.conversion is None else scanned.conversion.views(), keep_dtype=options.keep_dtype,
     )  # fmt: skip
 
 
@@ -207,15 +227,18 @@ def consolidate(
     held: list[OutputDir] = []  # the owner's hold on the output directory
     try:
         with clock("scan"):
-            mapping, notes, scanned = _scan_phase(comm, input_dir, output_dir, options, owner, held)
+            mapping, notes, scanned, adapter = _scan_phase(comm, input_dir, output_dir, options, owner, held)
+            mapping = mapping_of(options, mapping, scanned, adapter)
+            check_output_names(comm, owner, output_dir, mapped_names(mapping))
         with clock("plan"):
             layout, part = plan_job(comm, scanned, options, mapping)
             check_output_names(comm, owner, output_dir, layout_names(layout, options))
         with clock("write"):
             check_replicas(comm, scanned, layout, part, options.buffer_size)
-            layout, written, moved, in_effect = _write(comm, held, scanned, layout, part, owner, options)
+            layout, written, moved, in_effect = _write(comm, held, scanned, layout, part, owner, options, adapter.assets)
         with clock("finalize"):
-            agree_on(comm, owner, lambda: _publish(held[0], layout, output_format(options.output_format), options.sync))
+            fmt = output_format(options.output_format)
+            agree_on(comm, owner, lambda: _publish(held[0], layout, fmt, options, adapter.assets))
             forget_pending()  # the checkpoint is complete: a signal now has nothing left to stop
     except BaseException as exc:
         for session in held:
@@ -226,27 +249,31 @@ def consolidate(
     for session in held:
         session.close()
     stats = reduce_stats(comm, clock, written, len(layout.files), len(layout.tensors), layout.total_bytes)
-    return _result(comm, output_dir, options, scanned, layout, stats, written, moved, in_effect, notes)
+    result = _result(comm, output_dir, options, scanned, layout, stats, written, moved, in_effect, notes)
+    adapted = [] if scanned.conversion is None else scanned.conversion.summary()
+    return replace(result, adapted=adapted, assets=[] if adapter.assets is None else list(adapter.assets.files))
 
 
 def _scan_phase(
     comm: Comm, input_dir: str, output_dir: str, options: Options, owner: int, held: list[OutputDir]
-) -> tuple[dict[str, str] | None, list[str], Scanned]:
-    """Everything before the plan: the mapping read, names and machine checked, the output directory held
-    by ``owner`` (appended to ``held``, so the caller releases it), the inputs scanned."""
+) -> tuple[dict[str, str] | None, list[str], Scanned, Adapter]:
+    """Everything before the plan: the mapping, adapter rules and assets read, names and machine checked,
+    the output directory held by ``owner`` (appended to ``held``, so the caller releases it), the inputs
+    scanned (and converted)."""
 
     def open_output_dir() -> list[str]:
         held.append(OutputDir.open(output_dir, options.break_lock))
         return held[0].notes
 
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
+    adapter = load_adapter(comm, options)
     check_output_names(comm, owner, output_dir, mapped_names(mapping))
     check_machine(comm, input_dir, output_dir, options.buffer_size)
     notes = agree_on(comm, owner, open_output_dir)
     if comm.rank == 0:
         for note in notes:
             log.info("%s: %s", output_dir, note)
-    return mapping, notes, scan_inputs(input_dir, comm, options)
+    return mapping, notes, scan_inputs(input_dir, comm, options, adapter), adapter
 
 
 def _result(
@@ -280,13 +307,20 @@ def _result(
 
 
 def _write(
-    comm: Comm, held: list[OutputDir], scanned: Scanned, layout: Layout, part: Part, owner: int, options: Options
+    comm: Comm,
+    held: list[OutputDir],
+    scanned: Scanned,
+    layout: Layout,
+    part: Part,
+    owner: int,
+    options: Options,
+    assets: HFAssets | None = None,
 ) -> tuple[Layout, int, int, dict[str, str]]:
     """Stage every output in the owner's private directory and fill it; returns the (re-targeted) layout,
     the bytes this rank wrote and sent, and the MPI-IO hints in effect."""
     fmt = output_format(options.output_format)
     layout = fmt.target(layout)
-    names = fmt.final_names(layout)
+    names = fmt.final_names(layout) + ([] if assets is None else list(assets.files))
 
     def stage() -> str:
         session = held[0]
@@ -321,16 +355,25 @@ def _write(
         _close_quietly(output, sources)
 
 
-def _publish(session: OutputDir, layout: Layout, fmt: OutputFormat, durable: bool) -> None:
-    """The owner writes the index into the staging directory and publishes everything as one transaction.
+def _publish(session: OutputDir, layout: Layout, fmt: OutputFormat, options: Options, assets: HFAssets | None) -> None:
+    """The owner stages the Hugging Face assets and the index, and publishes everything as one transaction
+    (commit point: the index, last).
 
     Signals are held back meanwhile; one that arrived is honoured at the commit point (rolled back).
     """
+    durable = options.sync
     with deferred():
+        staged: list[str] = []
+        if assets is not None:
+            assert session.staging is not None
+            from ..io.assets import stage_assets
+
+            target = None if options.dtype is None else DTYPE_TARGETS[options.dtype]
+            staged = stage_assets(assets, session.staging, target, durable)
         index = fmt.index(layout)
         if index is not None:
             session.write_staged(INDEX_NAME, index, durable)
-        session.publish(fmt.final_names(layout), session.aside, durable, before_commit=raise_pending)
+        session.publish(staged + fmt.final_names(layout), session.aside, durable, before_commit=raise_pending)
         forget_pending()
 
 

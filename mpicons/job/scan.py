@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from ..comm.agreement import Comm, agree
+from ..core.adapting import Conversion
 from ..core.distcp_items import Item, locate_all
 from ..core.distcp_metadata import DistcpTable, read_metadata
 from ..core.errors import InputError
@@ -68,6 +69,8 @@ class Scanned:
     unreadable: dict[str, str] = field(default_factory=dict)
     #: Whether ``unreadable`` is listed (``inspect``) rather than refused by :func:`select`.
     listing: bool = False
+    #: A model adapter's conversion, when one was applied (names and pieces are then the outputs').
+    conversion: Conversion | None = None
 
     @property
     def shared(self) -> bool:

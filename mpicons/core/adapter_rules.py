@@ -1,0 +1,406 @@
+"""Adapter rule files: how a training framework's state-dict names and layouts become Hugging Face's.
+
+A rule file is text, one rule per line (``#`` starts a comment), read and checked whole before any
+work so that a bad rule is one error naming its line. The format is in ``docs/adapter-rules.md``;
+the built-in torchtitan adapter is written in it (``mpicons/core/rules/``). Pure: parsing and
+matching only; what the rules do to pieces is :mod:`mpicons.core.adapting`.
+
+Lines::
+
+    model_type llama                      # the config's model_type values this file is for
+    default head_dim = hidden_size // num_attention_heads
+    skip optimizer.** lr_scheduler.**     # not model state: left out, counted in the report
+    SOURCE  TARGET  [TRANSFORM]  [if [not] CONFIG_KEY]
+
+``SOURCE`` is a dotted name with captures: ``{N}`` (digits), ``*`` (within one dotted part), ``**``
+(anything). ``TARGET`` uses the captures (``{N}``, ``{N+num_hidden_layers}``) or is ``-`` (no Hugging
+Face name, for ``drop``). ``TRANSFORM`` is one call of a small vocabulary (:data:`TRANSFORMS`) whose
+arguments are integer expressions over the config's fields.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from importlib import resources
+
+from .errors import InputError
+
+#: The transforms a rule may name, with their parameters (all integer expressions, but unbind's capture name).
+TRANSFORMS: dict[str, tuple[str, ...]] = {
+    "unbind": ("index",),  # one output per index of dim 0, the index in the target's capture ``{index}``
+    "rope_to_half": ("heads", "head_dim"),  # rows of each head from interleaved rotary pairs to half-split order
+    "rope_to_interleaved": ("heads", "head_dim"),  # the inverse: half-split rows to interleaved pairs
+    "split_rows": ("groups", "sizes"),  # a fused tensor cut along dim 0 into parts, group by group
+    "drop": (),  # a model entry the conversion leaves out on purpose (reported)
+}
+#: The names of the built-in adapters and the rule files of each, by the config's ``model_type``.
+BUILTIN = {"torchtitan": ("torchtitan-llama.rules", "torchtitan-qwen3.rules", "torchtitan-deepseek-v3.rules")}
+
+_CAPTURE = re.compile(r"\{([A-Za-z_]\w*)\}")
+_TARGET_FIELD = re.compile(r"\{([A-Za-z_]\w*)(?:\s*\+\s*([^{}]+))?\}")
+_NAME_PART = re.compile(r"[A-Za-z0-9_\-]+")
+_RULE = re.compile(r"^(?P<source>\S+)\s+(?P<target>\S+)(?:\s+(?P<transform>[a-z_]+(?:\(.*\))?))?(?:\s+if\s+(?P<cond>.+))?$")
+_CONDITION = re.compile(r"^(?P<negated>not\s+)?(?P<key>[A-Za-z_][\w.]*)$")
+_ALLOWED_NODES = (
+    ast.Expression, ast.BinOp, ast.Constant, ast.Name, ast.Attribute, ast.Load, ast.Add, ast.Sub, ast.Mult,
+    ast.FloorDiv, ast.Tuple, ast.List, ast.UnaryOp, ast.USub,
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Transform:
+    """A transform named by a rule: its kind and its arguments as unevaluated expressions."""
+
+    kind: str = "rename"
+    args: Mapping[str, ast.expr] = field(default_factory=dict)
+
+    def value(self, name: str, config: Mapping[str, object], where: str) -> int | tuple[int, ...]:
+        """An argument evaluated against the config (a tuple for ``sizes``)."""
+        return evaluate(self.args[name], config, where)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One line: a source pattern, its target template, a transform and a condition on the config."""
+
+    line: int
+    source: str
+    target: str | None  # None: ``-`` (dropped without a Hugging Face name)
+    transform: Transform
+    pattern: re.Pattern[str]
+    condition: str | None = None  # a config key; the rule applies when it is truthy
+    negated: bool = False  # ... or, with ``if not``, when it is falsy
+    skip: bool = False  # a ``skip`` line: not model state
+
+    def applies(self, config: Mapping[str, object]) -> bool:
+        if self.condition is None:
+            return True
+        return bool(lookup(config, self.condition, None)) != self.negated
+
+
+@dataclass(frozen=True)
+class RuleSet:
+    """A rule file, parsed and checked: its rules in order (the first that matches a name decides)."""
+
+    origin: str  # the file's path, or the built-in adapter's name
+    rules: tuple[Rule, ...]
+    model_types: tuple[str, ...] = ()  # empty: any
+    defaults: Mapping[str, ast.expr] = field(default_factory=dict)
+    #: The config keys the rules read (arguments, conditions, target arithmetic): a config is needed when any is.
+    reads_config: bool = False
+
+    def where(self, rule: Rule) -> str:
+        return f"{self.origin}:{rule.line}"
+
+    def config_with_defaults(self, config: Mapping[str, object]) -> dict[str, object]:
+        """The config with the file's ``default`` lines filled in where the config lacks the key (or holds null)."""
+        merged = dict(config)
+        for key, expression in self.defaults.items():
+            if merged.get(key) is None:
+                merged[key] = evaluate(expression, merged, f"{self.origin}: default {key}")
+        return merged
+
+    def match(self, name: str, config: Mapping[str, object]) -> tuple[Rule, dict[str, str]] | None:
+        """The first rule whose pattern matches ``name`` and whose condition holds, with its captures."""
+        for rule in self.rules:
+            found = rule.pattern.fullmatch(name)
+            if found is not None and rule.applies(config):
+                return rule, found.groupdict()
+        return None
+
+
+def lookup(config: Mapping[str, object], key: str, default: object = KeyError) -> object:
+    """``config[key]``, with dots reaching into nested objects (``text_config.num_attention_heads``)."""
+    value: object = config
+    for part in key.split("."):
+        if not isinstance(value, Mapping) or part not in value:
+            if default is KeyError:
+                raise KeyError(key)
+            return default
+        value = value[part]
+    return value
+
+
+def evaluate(node: ast.expr | ast.Expression, config: Mapping[str, object], where: str) -> int | tuple[int, ...]:
+    """An integer expression over config fields: numbers, names, ``+ - * //``, tuples; nothing else runs."""
+
+    def value(n: ast.AST) -> int | tuple[int, ...]:
+        if isinstance(n, ast.Expression):
+            return value(n.body)
+        if isinstance(n, ast.Constant) and type(n.value) is int:
+            return n.value
+        if isinstance(n, (ast.Name, ast.Attribute)):
+            key = ast.unparse(n)
+            try:
+                found = lookup(config, key)
+            except KeyError:
+                raise InputError(f"{where}: the config has no {key!r} (add it to config.json or a 'default' line)") from None
+            if type(found) is not int:
+                raise InputError(f"{where}: config {key!r} is {found!r}, not a whole number")
+            return found
+        if isinstance(n, (ast.Tuple, ast.List)):
+            items = [value(e) for e in n.elts]
+            if any(isinstance(i, tuple) for i in items):
+                raise InputError(f"{where}: nested lists are not allowed")
+            return tuple(i for i in items if isinstance(i, int))
+        if isinstance(n, ast.UnaryOp) and isinstance(n.op, ast.USub):
+            inner = value(n.operand)
+            if isinstance(inner, tuple):
+                raise InputError(f"{where}: '-' of a list")
+            return -inner
+        if isinstance(n, ast.BinOp):
+            left, right = value(n.left), value(n.right)
+            if isinstance(left, tuple) or isinstance(right, tuple):
+                raise InputError(f"{where}: arithmetic on a list")
+            if isinstance(n.op, ast.Add):
+                return left + right
+            if isinstance(n.op, ast.Sub):
+                return left - right
+            if isinstance(n.op, ast.Mult):
+                return left * right
+            if isinstance(n.op, ast.FloorDiv):
+                if right == 0:
+                    raise InputError(f"{where}: division by zero")
+                return left // right
+        raise InputError(f"{where}: {ast.unparse(n)!r} is not an integer expression over config fields")
+
+    return value(node)
+
+
+def _expression(text: str, where: str) -> ast.expr:
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError:
+        raise InputError(f"{where}: {text.strip()!r} is not an expression") from None
+    for node in ast.walk(tree):
+        if not isinstance(node, _ALLOWED_NODES):
+            raise InputError(f"{where}: {text.strip()!r}: only numbers, config fields, + - * // and lists are allowed")
+    return tree.body
+
+
+def _pattern(source: str, where: str) -> re.Pattern[str]:
+    """A source pattern as a regular expression: ``{X}`` digits (named X), ``*`` one dotted part, ``**`` anything."""
+    parts, names, position = [], set(), 0
+    for token in re.finditer(r"\{[^{}]*\}|\*\*|\*", source):
+        literal = source[position : token.start()]
+        if literal and not all(_NAME_PART.fullmatch(p) or p == "" for p in literal.split(".")):
+            raise InputError(f"{where}: {source!r}: names are dotted parts of letters, digits, '_' and '-'")
+        parts.append(re.escape(literal))
+        text = token.group()
+        if text == "**":
+            parts.append(".+")
+        elif text == "*":
+            parts.append("[^.]+")
+        else:
+            capture = _CAPTURE.fullmatch(text)
+            if capture is None:
+                raise InputError(f"{where}: {text!r} in {source!r}: a capture is {{NAME}}, NAME a word")
+            if capture.group(1) in names:
+                raise InputError(f"{where}: capture {text} appears twice in {source!r}")
+            names.add(capture.group(1))
+            parts.append(f"(?P<{capture.group(1)}>[0-9]+)")
+        position = token.end()
+    literal = source[position:]
+    if literal and not all(_NAME_PART.fullmatch(p) or p == "" for p in literal.split(".")):
+        raise InputError(f"{where}: {source!r}: names are dotted parts of letters, digits, '_' and '-'")
+    parts.append(re.escape(literal))
+    return re.compile("".join(parts))
+
+
+def _transform(text: str | None, where: str) -> Transform:
+    if text is None:
+        return Transform()
+    try:
+        call = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        raise InputError(f"{where}: {text!r} is not a transform call like unbind(E)") from None
+    if isinstance(call, ast.Name):
+        call = ast.Call(func=call, args=[], keywords=[])
+    if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name):
+        raise InputError(f"{where}: {text!r} is not a transform call like unbind(E)")
+    kind = call.func.id
+    if kind not in TRANSFORMS:
+        raise InputError(f"{where}: unknown transform {kind!r} (known: {', '.join(TRANSFORMS)})")
+    params = TRANSFORMS[kind]
+    if len(call.args) > len(params):
+        raise InputError(f"{where}: {kind} takes {len(params)} argument(s): {', '.join(params) or 'none'}")
+    args: dict[str, ast.expr] = dict(zip(params, call.args))
+    for keyword in call.keywords:
+        if keyword.arg not in params or keyword.arg in args:
+            raise InputError(f"{where}: {kind}: unexpected or repeated argument {keyword.arg!r} (takes {', '.join(params)})")
+        args[keyword.arg] = keyword.value
+    missing = [p for p in params if p not in args]
+    if missing:
+        raise InputError(f"{where}: {kind} needs {', '.join(missing)}")
+    for name, node in args.items():
+        if kind == "unbind":
+            if not isinstance(node, ast.Name):
+                raise InputError(f"{where}: unbind's argument is the target's capture name, as in unbind(E)")
+            continue
+        for inner in ast.walk(node):
+            if not isinstance(inner, _ALLOWED_NODES):
+                raise InputError(f"{where}: {kind} {name}={ast.unparse(node)!r}: only numbers, config fields, + - * // and lists")
+    return Transform(kind, args)
+
+
+def _check_target(rule: Rule, captures: set[str], where: str) -> None:
+    if rule.target is None:
+        if rule.transform.kind != "drop":
+            raise InputError(f"{where}: target '-' (no Hugging Face name) goes only with drop")
+        return
+    index = None
+    if rule.transform.kind == "unbind":
+        node = rule.transform.args["index"]
+        assert isinstance(node, ast.Name)
+        index = node.id
+        if f"{{{index}}}" not in rule.target:
+            raise InputError(f"{where}: unbind({index}) makes one tensor per index: the target must hold {{{index}}}")
+        if index in captures:
+            raise InputError(f"{where}: unbind({index}): {{{index}}} is already a capture of the source")
+    if rule.transform.kind == "split_rows":
+        alternatives = re.findall(r"\{([^{}]*\|[^{}]*)\}", rule.target)
+        if len(alternatives) != 1:
+            raise InputError(f"{where}: split_rows names its parts in the target, once, as in {{q|k|v}}")
+    for found in _TARGET_FIELD.finditer(rule.target):
+        name, offset = found.group(1), found.group(2)
+        if name not in captures and name != index:
+            raise InputError(f"{where}: target {rule.target!r} uses {{{name}}}, which the source does not capture")
+        if offset is not None:
+            _expression(offset, where)
+    leftover = _TARGET_FIELD.sub("x", re.sub(r"\{[^{}]*\|[^{}]*\}", "x", rule.target))
+    if "{" in leftover or "}" in leftover or not all(_NAME_PART.fullmatch(p) for p in leftover.split(".")):
+        raise InputError(f"{where}: target {rule.target!r}: dotted parts of letters, digits, '_', '-' and {{captures}}")
+
+
+def parse_rules(text: str, origin: str) -> RuleSet:
+    """A rule file's text checked whole: the first bad line is an :class:`InputError` naming ``origin:line``."""
+    rules: list[Rule] = []
+    model_types: list[str] = []
+    defaults: dict[str, ast.expr] = {}
+    reads_config = False
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        where = f"{origin}:{number}"
+        if not line:
+            continue
+        word, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if word == "model_type":
+            if not rest:
+                raise InputError(f"{where}: model_type needs at least one value")
+            model_types += rest.split()
+            continue
+        if word == "default":
+            key, equals, expression = rest.partition("=")
+            if not equals or not re.fullmatch(r"[A-Za-z_][\w.]*", key.strip()):
+                raise InputError(f"{where}: a default line reads 'default KEY = EXPRESSION'")
+            defaults[key.strip()] = _expression(expression, where)
+            reads_config = True
+            continue
+        if word == "skip":
+            if not rest:
+                raise InputError(f"{where}: skip needs at least one pattern")
+            for source in rest.split():
+                rules.append(Rule(number, source, None, Transform("skip"), _pattern(source, where), skip=True))
+            continue
+        found = _RULE.match(line)
+        if found is None:
+            raise InputError(f"{where}: expected 'SOURCE TARGET [TRANSFORM] [if [not] KEY]', got {line!r}")
+        condition, negated = None, False
+        if found.group("cond") is not None:
+            cond = _CONDITION.match(found.group("cond").strip())
+            if cond is None:
+                raise InputError(f"{where}: a condition reads 'if KEY' or 'if not KEY' (KEY a config field)")
+            condition, negated = cond.group("key"), cond.group("negated") is not None
+            reads_config = True
+        source, target = found.group("source"), found.group("target")
+        pattern = _pattern(source, where)
+        transform = _transform(found.group("transform"), where)
+        if transform.kind not in ("rename", "drop", "unbind"):
+            reads_config = True
+        rule = Rule(number, source, None if target == "-" else target, transform, pattern, condition, negated)
+        _check_target(rule, set(pattern.groupindex), where)
+        if "+" in (target or ""):
+            reads_config = True
+        rules.append(rule)
+    if not rules:
+        raise InputError(f"{origin}: no rules")
+    return RuleSet(origin, tuple(rules), tuple(model_types), defaults, reads_config)
+
+
+def builtin_rule_sets(name: str) -> list[RuleSet]:
+    """The rule files of a built-in adapter (``torchtitan``), parsed."""
+    folder = resources.files("mpicons.core").joinpath("rules")
+    return [parse_rules(folder.joinpath(file).read_text(encoding="utf-8"), f"{name}:{file}") for file in BUILTIN[name]]
+
+
+def choose_rules(adapter: str, config: Mapping[str, object] | None, text: str | None = None) -> RuleSet:
+    """The rule set for ``adapter`` and the model's config: a built-in name (one file per model family,
+    chosen by the config's ``model_type``), or a rule file whose ``text`` the caller read."""
+    if text is not None:
+        rule_set = parse_rules(text, adapter)
+        if rule_set.reads_config and config is None:
+            raise InputError(f"{adapter}: its rules read the model's config: give --hf-assets DIR (with config.json)")
+        model_type = None if config is None else config.get("model_type")
+        if rule_set.model_types and model_type is not None and model_type not in rule_set.model_types:
+            raise InputError(
+                f"{adapter}: written for model_type {', '.join(rule_set.model_types)}, but config.json says {model_type!r}"
+            )
+        return rule_set
+    if adapter not in BUILTIN:
+        raise InputError(f"unknown adapter {adapter!r} (built-in: {', '.join(BUILTIN)}; or a rule file's path)")
+    if config is None:
+        raise InputError(
+            f"--adapter {adapter} needs the model's config.json: give --hf-assets DIR (the model's Hugging Face files)"
+        )
+    model_type = config.get("model_type")
+    sets = builtin_rule_sets(adapter)
+    for rule_set in sets:
+        if model_type in rule_set.model_types:
+            return rule_set
+    known = sorted(t for s in sets for t in s.model_types)
+    raise InputError(
+        f"--adapter {adapter}: config.json's model_type {model_type!r} has no built-in rules (known: {', '.join(known)}); "
+        f"write a rule file for it (docs/adapter-rules.md) and pass --adapter FILE"
+    )
+
+
+def target_names(rule: Rule, captures: Mapping[str, str], config: Mapping[str, object], where: str) -> list[str]:
+    """The target with the captures filled in (arithmetic evaluated); one name per ``{a|b}`` alternative."""
+    assert rule.target is not None
+
+    def fill(found: re.Match[str]) -> str:
+        name, offset = found.group(1), found.group(2)
+        if name not in captures:
+            return found.group(0)  # unbind's index, filled per index
+        value = int(captures[name])
+        if offset is not None:
+            extra = evaluate(_expression(offset, where), config, where)
+            if isinstance(extra, tuple):
+                raise InputError(f"{where}: {offset!r} is a list, not a number")
+            value += extra
+        return str(value)
+
+    filled = _TARGET_FIELD.sub(fill, rule.target)
+    alternatives = re.search(r"\{([^{}]*\|[^{}]*)\}", filled)
+    if alternatives is None:
+        return [filled]
+    return [filled[: alternatives.start()] + part + filled[alternatives.end() :] for part in alternatives.group(1).split("|")]
+
+
+__all__ = [
+    "TRANSFORMS",
+    "BUILTIN",
+    "Transform",
+    "Rule",
+    "RuleSet",
+    "parse_rules",
+    "builtin_rule_sets",
+    "choose_rules",
+    "target_names",
+    "evaluate",
+    "lookup",
+]

@@ -1,0 +1,398 @@
+"""A model adapter applied to the pieces: renames, per-expert slices, fused splits and rotary row
+orders as geometry, so converted tensors are assembled like any other (no whole-tensor buffer).
+
+:func:`plan_conversion` is per tensor and the same on every rank: which rule each saved tensor
+matches and what Hugging Face tensors it becomes (:class:`Conversion`). :func:`convert_pieces` then
+re-expresses one rank's pieces in the outputs' coordinates, with numpy over the pieces of each
+tensor at once:
+
+- ``unbind``: index ``e`` of dim 0 of a piece is the contiguous bytes of expert ``e``; the piece is
+  cut per index it crosses and loses dim 0.
+- ``split_rows``: a fused tensor's rows are, group by group, the parts' rows; a piece is cut at every
+  (group, part) boundary it crosses, each cut a contiguous run of rows of one part.
+- ``rope_to_half`` / ``rope_to_interleaved``: dim 0 is viewed as (heads, a, b) and the output has the
+  last two swapped. Pieces are cut into boxes of that view (at most five each); the output tensor
+  keeps the view as its storage and the swap as its ``axes``, which the engine follows when it
+  places rows (one run per row of ``in_features`` units). Dim 0, the heads, stays dim 0, so the work
+  split and coverage checks are unchanged.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .adapter_rules import Rule, RuleSet, target_names
+from .errors import InputError
+from .reports import count_of
+from .table import Pieces
+
+
+@dataclass(frozen=True)
+class View:
+    """How an output tensor's pieces are laid out when that differs from its header: the header's
+    ``shape`` (elements) and ``axes`` (output dim ``k`` is storage dim ``axes[k]``), or None."""
+
+    shape: tuple[int, ...]
+    axes: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Output:
+    """One Hugging Face tensor the conversion writes.
+
+    ``storage`` is its shape in the pieces' coordinates (storage units); ``view`` is set when those
+    coordinates are not the header's (rotary row orders).
+    """
+
+    name: str
+    source: int  # the saved tensor's id
+    kind: str  # rename, unbind, split_rows, rope_to_half, rope_to_interleaved
+    storage: tuple[int, ...]
+    rule: str  # where the rule is: FILE:LINE
+    index: int = 0  # unbind: the index along dim 0; split_rows: the part
+    view: View | None = None
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """A saved tensor not written: a model entry the rules drop on purpose, or state they skip."""
+
+    name: str
+    hf_name: str | None  # the Hugging Face name it would have had (drop), None when it has none
+    rule: str
+    skipped: bool = False  # a ``skip`` pattern (not model state) rather than a ``drop``
+    pattern: str = ""
+
+
+@dataclass(frozen=True)
+class Conversion:
+    """Every saved tensor's fate under one rule set: the outputs (sorted by name) and what is left out."""
+
+    rules: str  # the rule set's origin
+    outputs: tuple[Output, ...]
+    dropped: tuple[Dropped, ...] = ()
+    #: The group parameters of each split_rows/rope source: (groups, sizes) or (heads, a, b).
+    params: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+
+    @property
+    def names(self) -> list[str]:
+        return [o.name for o in self.outputs]
+
+    def views(self) -> dict[int, View]:
+        return {t: o.view for t, o in enumerate(self.outputs) if o.view is not None}
+
+    def dropped_names(self) -> set[str]:
+        """Hugging Face names left out on purpose (an assets index may list them: a tied ``lm_head``)."""
+        return {d.hf_name for d in self.dropped if d.hf_name is not None}
+
+    def skipped_counts(self) -> dict[str, int]:
+        """Per ``skip`` pattern, how many saved tensors it left out."""
+        counts: dict[str, int] = {}
+        for d in self.dropped:
+            if d.skipped:
+                counts[d.pattern] = counts.get(d.pattern, 0) + 1
+        return counts
+
+    def summary(self) -> list[str]:
+        """Lines for the run's report: what was skipped (per pattern) and every entry dropped."""
+        lines = [
+            f"skipped {count_of(n, 'saved tensor')} matching {pattern} (not model state)"
+            for pattern, n in self.skipped_counts().items()
+        ]
+        for d in self.dropped:
+            if not d.skipped:
+                hf = f" (Hugging Face {d.hf_name})" if d.hf_name else ""
+                lines.append(f"dropped {d.name}{hf}: rule {d.rule}")
+        return lines
+
+
+def _unknown_message(unknown: Sequence[str], rules: RuleSet) -> str:
+    shown = ", ".join(repr(n) for n in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
+    first = unknown[0]
+    return (
+        f"adapter {rules.origin}: no rule for {count_of(len(unknown), 'saved tensor')}: {shown}. Leave it out "
+        f"deliberately with --exclude {first!r} (a glob: --exclude '{first.rsplit('.', 1)[0]}.*'), or add a rule for it"
+    )
+
+
+def plan_conversion(
+    names: Sequence[str],
+    storage: Sequence[tuple[int, ...]],
+    sub_byte: Sequence[bool],
+    rules: RuleSet,
+    config: Mapping[str, object],
+) -> Conversion:
+    """The outputs of the saved tensors ``names`` (shapes ``storage`` in storage units, unpadded; whether
+    each dtype is sub-byte) under ``rules`` and ``config`` (its defaults filled in). Pure; the first
+    problem is an :class:`InputError` naming the tensor and the rule's line."""
+    config = rules.config_with_defaults(config)
+    outputs: list[Output] = []
+    dropped: list[Dropped] = []
+    unknown: list[str] = []
+    params: dict[int, tuple[int, ...]] = {}
+    for t, name in enumerate(names):
+        found = rules.match(name, config)
+        if found is None:
+            unknown.append(name)
+            continue
+        rule, captures = found
+        where = rules.where(rule)
+        if rule.skip:
+            dropped.append(Dropped(name, None, where, skipped=True, pattern=rule.source))
+            continue
+        hf = None if rule.target is None else target_names(rule, captures, config, where)
+        if rule.transform.kind == "drop":
+            dropped.append(Dropped(name, hf[0] if hf else None, where))
+            continue
+        assert hf is not None
+        outputs += _outputs(t, name, tuple(storage[t]), sub_byte[t], rule, hf, config, where, params)
+    if unknown:
+        raise InputError(_unknown_message(unknown, rules))
+    outputs.sort(key=lambda o: o.name)
+    for a, b in zip(outputs, outputs[1:]):
+        if a.name == b.name:
+            raise InputError(
+                f"adapter {rules.origin}: {names[a.source]!r} (rule {a.rule}) and {names[b.source]!r} (rule {b.rule}) "
+                f"would both be {a.name!r}"
+            )
+    if not outputs:
+        raise InputError(f"adapter {rules.origin}: the rules leave none of the {count_of(len(names), 'saved tensor')}")
+    return Conversion(rules.origin, tuple(outputs), tuple(dropped), params)
+
+
+def _outputs(
+    t: int,
+    name: str,
+    storage: tuple[int, ...],
+    sub_byte: bool,
+    rule: Rule,
+    hf: list[str],
+    config: Mapping[str, object],
+    where: str,
+    params: dict[int, tuple[int, ...]],
+) -> list[Output]:
+    kind = rule.transform.kind
+    shape_text = f"{name!r} (shape {list(storage)})"
+    if kind == "rename":
+        return [Output(hf[0], t, kind, storage, where)]
+    if not storage:
+        raise InputError(f"{where}: {kind} of {shape_text}: a scalar has no dim 0")
+    rows, rest = storage[0], storage[1:]
+    if sub_byte and not rest:
+        raise InputError(f"{where}: {kind} of {shape_text}: a 1-d sub-byte tensor cannot be cut by elements")
+    if kind == "unbind":
+        if not rest:
+            raise InputError(f"{where}: unbind of {shape_text}: one-dimensional, its entries are not tensors")
+        node = rule.transform.args["index"]
+        index = getattr(node, "id", "")
+        return [Output(hf[0].replace(f"{{{index}}}", str(e)), t, kind, rest, where, index=e) for e in range(rows)]
+    if kind == "split_rows":
+        groups = rule.transform.value("groups", config, where)
+        sizes = rule.transform.value("sizes", config, where)
+        if not isinstance(groups, int) or groups <= 0:
+            raise InputError(f"{where}: split_rows groups={groups!r}: a positive number")
+        if isinstance(sizes, int):
+            sizes = (sizes,)
+        if not sizes or any(s <= 0 for s in sizes):
+            raise InputError(f"{where}: split_rows sizes={list(sizes)}: positive numbers of rows per group")
+        if len(sizes) != len(hf):
+            raise InputError(f"{where}: split_rows has {len(sizes)} sizes for {len(hf)} target names")
+        if groups * sum(sizes) != rows:
+            raise InputError(
+                f"{where}: split_rows of {shape_text}: {groups} groups of {'+'.join(map(str, sizes))} rows is "
+                f"{groups * sum(sizes)} rows, not {rows} (check the config's head counts)"
+            )
+        params[t] = (groups, *sizes)
+        return [Output(n, t, kind, (groups * s, *rest), where, index=k) for k, (n, s) in enumerate(zip(hf, sizes))]
+    heads = rule.transform.value("heads", config, where)
+    head_dim = rule.transform.value("head_dim", config, where)
+    if not isinstance(heads, int) or not isinstance(head_dim, int) or heads <= 0 or head_dim <= 0 or head_dim % 2:
+        raise InputError(f"{where}: {kind} needs positive heads and an even head_dim (got {heads!r}, {head_dim!r})")
+    if heads * head_dim != rows:
+        raise InputError(
+            f"{where}: {kind} of {shape_text}: {heads} heads of {head_dim} rows is {heads * head_dim} rows, not {rows} "
+            f"(check num_attention_heads, num_key_value_heads and head_dim in config.json)"
+        )
+    a, b = (head_dim // 2, 2) if kind == "rope_to_half" else (2, head_dim // 2)
+    params[t] = (heads, a, b)
+    coords = (heads, a, b, *(rest or (1,)))
+    axes = (0, 2, 1, *range(3, len(coords)))
+    return [Output(hf[0], t, kind, coords, where, view=View(storage, axes))]
+
+
+# ---------------------------------------------------------------- pieces in the outputs' coordinates
+
+
+def _unit_bytes(pieces: Pieces, bits_of: Callable[[int], int]) -> np.ndarray:
+    bits = np.array([bits_of(int(d)) for d in range(int(pieces.dtype.max()) + 1)] if len(pieces) else [8], dtype=np.int64)
+    per = bits[pieces.dtype.astype(np.int64)] if len(pieces) else np.zeros(0, dtype=np.int64)
+    return np.where(per % 8 == 0, per // 8, 1)
+
+
+def _row_bytes(shape: np.ndarray, unit: np.ndarray) -> np.ndarray:
+    return np.prod(shape[:, 1:], axis=1) * unit
+
+
+def _unbind(p: Pieces, unit: np.ndarray, ids: np.ndarray) -> Pieces:
+    count = p.shape[:, 0]
+    rep = np.repeat(np.arange(len(p)), count)
+    step = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
+    index = p.offset[rep, 0] + step
+    width = p.width
+    shape = np.ones((len(rep), width), dtype=np.int64)
+    offset = np.zeros((len(rep), width), dtype=np.int64)
+    shape[:, : width - 1] = p.shape[rep, 1:]
+    offset[:, : width - 1] = p.offset[rep, 1:]
+    begin = p.begin[rep] + step * _row_bytes(p.shape[rep], unit[rep])
+    ndim = (p.ndim[rep] - 1).astype(p.ndim.dtype)
+    return Pieces(ids[index].astype(np.int32), p.file[rep], p.dtype[rep], ndim, shape, offset, begin, p.holder[rep])
+
+
+def _split_rows(p: Pieces, unit: np.ndarray, ids: np.ndarray, groups: int, sizes: Sequence[int]) -> Pieces:
+    per_group = sum(sizes)
+    starts_in_group = np.cumsum([0, *sizes[:-1]])
+    parts = len(sizes)
+    # Interval q = g * parts + k holds rows [g * per_group + starts[k], + sizes[k]) of part k.
+    interval_start = (np.arange(groups)[:, None] * per_group + starts_in_group[None, :]).ravel()
+    interval_size = np.tile(np.array(sizes, dtype=np.int64), groups)
+    low, high = p.offset[:, 0], p.offset[:, 0] + p.shape[:, 0]
+    nonempty = high > low
+    first = np.searchsorted(interval_start, low, side="right") - 1
+    last = np.searchsorted(interval_start, np.maximum(high - 1, low), side="right") - 1
+    count = np.where(nonempty, last - first + 1, 0)
+    rep = np.repeat(np.arange(len(p)), count)
+    q = np.repeat(first, count) + (np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count))
+    lo = np.maximum(low[rep], interval_start[q])
+    hi = np.minimum(high[rep], interval_start[q] + interval_size[q])
+    group, part = q // parts, q % parts
+    shape = p.shape[rep].copy()
+    offset = p.offset[rep].copy()
+    shape[:, 0] = hi - lo
+    offset[:, 0] = group * np.array(sizes, dtype=np.int64)[part] + (lo - interval_start[q])
+    begin = p.begin[rep] + (lo - low[rep]) * _row_bytes(p.shape[rep], unit[rep])
+    return Pieces(ids[part].astype(np.int32), p.file[rep], p.dtype[rep], p.ndim[rep], shape, offset, begin, p.holder[rep])
+
+
+def _rope(p: Pieces, unit: np.ndarray, out: int, heads: int, a: int, b: int, width: int) -> Pieces:
+    """Row ranges cut into boxes of the (heads, a, b) view of dim 0: at most five per piece."""
+    per_head = a * b
+    r0, r1 = p.offset[:, 0], p.offset[:, 0] + p.shape[:, 0]
+    up = lambda x, m: -(-x // m) * m  # noqa: E731
+    p1 = np.minimum(r1, up(r0, b))
+    p2 = np.minimum(r1, np.maximum(p1, up(p1, per_head)))
+    p3 = np.maximum(p2, r1 // per_head * per_head)
+    p4 = np.maximum(p3, r1 // b * b)
+    bounds = [r0, p1, p2, p3, p4, r1]
+    row_bytes = _row_bytes(p.shape, unit)
+    boxes = []
+    for k in range(5):
+        lo, hi = bounds[k], bounds[k + 1]
+        keep = np.flatnonzero(hi > lo)
+        if not len(keep):
+            continue
+        lo, hi = lo[keep], hi[keep]
+        n = len(keep)
+        dims = np.empty((n, 3), dtype=np.int64)
+        offs = np.empty((n, 3), dtype=np.int64)
+        offs[:, 0] = lo // per_head
+        offs[:, 1] = (lo % per_head) // b
+        offs[:, 2] = lo % b if k in (0, 4) else 0
+        if k in (0, 4):  # within one (head, a) row pair: along b
+            dims[:] = np.stack([np.ones(n, np.int64), np.ones(n, np.int64), hi - lo], axis=1)
+        elif k == 2:  # whole heads
+            dims[:] = np.stack([(hi - lo) // per_head, np.full(n, a), np.full(n, b)], axis=1)
+        else:  # whole b-runs inside one head
+            dims[:] = np.stack([np.ones(n, np.int64), (hi - lo) // b, np.full(n, b)], axis=1)
+        shape = np.ones((n, width), dtype=np.int64)
+        offset = np.zeros((n, width), dtype=np.int64)
+        shape[:, :3], offset[:, :3] = dims, offs
+        inner = min(width - 3, p.width - 1)  # beyond the saved rank, the columns are padding
+        shape[:, 3 : 3 + inner] = p.shape[keep, 1 : 1 + inner]
+        offset[:, 3 : 3 + inner] = p.offset[keep, 1 : 1 + inner]
+        begin = p.begin[keep] + (lo - r0[keep]) * row_bytes[keep]
+        ndim = (3 + np.maximum(1, p.ndim[keep].astype(np.int64) - 1)).astype(p.ndim.dtype)
+        boxes.append(Pieces(np.full(n, out, np.int32), p.file[keep], p.dtype[keep], ndim, shape, offset, begin, p.holder[keep]))
+    return Pieces.concat(boxes, width)
+
+
+def converted_width(conversion: Conversion, width: int) -> int:
+    """The piece table's width after the conversion (a rotary view adds two dims to a tensor)."""
+    return max([width] + [len(o.storage) for o in conversion.outputs])
+
+
+def convert_pieces(pieces: Pieces, conversion: Conversion, bits_of: Callable[[int], int]) -> Pieces:
+    """This rank's pieces (saved tensor ids) in the outputs' coordinates and ids. Pieces of tensors
+    the conversion leaves out are gone. ``bits_of(dtype_code)`` is the dtype's size in bits."""
+    width = converted_width(conversion, pieces.width)
+    by_source: dict[int, list[tuple[int, Output]]] = {}
+    for t, o in enumerate(conversion.outputs):
+        by_source.setdefault(o.source, []).append((t, o))
+    order = np.argsort(pieces.tensor, kind="stable")
+    sorted_tensor = pieces.tensor[order]
+    unit = _unit_bytes(pieces, bits_of)
+    result = []
+    for source, outs in by_source.items():
+        lo, hi = np.searchsorted(sorted_tensor, [source, source + 1])
+        if hi == lo:
+            continue
+        index = order[lo:hi]
+        p, u = pieces.take(index), unit[index]
+        kind = outs[0][1].kind
+        if kind == "rename":
+            p = p.take(slice(None))
+            p.tensor = np.full(len(p), outs[0][0], dtype=np.int32)
+        elif kind == "unbind":
+            ids = np.array([t for t, _ in sorted(outs, key=lambda x: x[1].index)], dtype=np.int64)
+            p = _unbind(p, u, ids)
+        elif kind == "split_rows":
+            groups, *sizes = conversion.params[source]
+            ids = np.array([t for t, _ in sorted(outs, key=lambda x: x[1].index)], dtype=np.int64)
+            p = _split_rows(p, u, ids, groups, sizes)
+        else:
+            heads, a, b = conversion.params[source]
+            p = _rope(p, u, outs[0][0], heads, a, b, width)
+        result.append(p)
+    return Pieces.concat(result, width)
+
+
+def converted_declared(conversion: Conversion, width: int) -> np.ndarray:
+    """The outputs' full shapes in the pieces' coordinates, padded to ``width`` (DCP's declared shapes)."""
+    declared = np.ones((len(conversion.outputs), width), dtype=np.int64)
+    for t, o in enumerate(conversion.outputs):
+        declared[t, : len(o.storage)] = o.storage
+    return declared
+
+
+def converted_order(conversion: Conversion, order: np.ndarray | None) -> np.ndarray | None:
+    """The outputs' positions in the saved state dict (a source's outputs together, in their own order)."""
+    if order is None:
+        return None
+    keys = np.array([int(order[o.source]) for o in conversion.outputs], dtype=np.int64)
+    sub = np.array([o.index for o in conversion.outputs], dtype=np.int64)
+    ranked = np.lexsort((sub, keys))
+    result = np.empty(len(ranked), dtype=np.int64)
+    result[ranked] = np.arange(len(ranked))
+    return result
+
+
+def keep_dtype_matches(name: str, patterns: Sequence[str]) -> bool:
+    """Whether ``--keep-dtype`` keeps a tensor (by its output name) out of a ``--dtype`` conversion."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+__all__ = [
+    "View",
+    "Output",
+    "Dropped",
+    "Conversion",
+    "plan_conversion",
+    "convert_pieces",
+    "converted_width",
+    "converted_declared",
+    "converted_order",
+    "keep_dtype_matches",
+]
