@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .convert import convert, numpy_dtype
-from .plan import Layout, Part, Tensor, WorkItem
+from .layout import Layout, Tensor, WorkItem
+from .parts import Part
 
 #: A contiguous, unconverted piece at least this large is copied file to file instead of assembled.
 DIRECT_MIN = 1 << 20
