@@ -16,8 +16,8 @@ import numpy as np
 from .convert import TARGETS
 from .errors import InputError
 from .format import DTYPE_BY_NAME, TensorHeaderError
+from .layout import Layout
 from .names import INDEX_NAME, plain_file_name
-from .plan import Layout
 from .reports import Problem, human_bytes
 from .reports import count_of as _count
 

@@ -20,8 +20,8 @@ from typing import Any
 from ..core.checkpoint_checks import FileResult, Listing, file_problem, header_problem, parse_index
 from ..core.errors import InputError, WriteError
 from ..core.format import DTYPE_BY_NAME, MAX_HEADER_SIZE, Header, nbytes_of, parse_header
+from ..core.layout import OUTPUT_METADATA
 from ..core.names import DCP_SHARD_NAME, INDEX_NAME, SINGLE_FILE_NAME
-from ..core.plan import OUTPUT_METADATA
 from ..core.reports import Problem
 from ..core.reports import count_of as _count
 from ..io import regular_files

@@ -24,11 +24,14 @@ from ..comm.interrupts import deferred
 from ..core.checkpoint_checks import Diff, FileResult, Listing, Located, VerifyReport, against_checks, cross_check, diff_problems
 from ..core.engine import Assembler, Block, Segment, block_budget, blocks, segment_bytes, segment_offset
 from ..core.errors import MpiconsError
+from ..core.layout import Layout
 from ..core.options import Options
-from ..core.plan import Layout, Part, build_layout
+from ..core.parts import Part
+from ..core.planner import build_layout
 from ..core.reports import Problem
 from ..io.hdf5 import HDF5_NAME
 from ..io.sources import SourceFiles
+from ..job.adaptation import convert_scanned, load_adapter
 from ..job.consolidation import check_buffer_fits
 from ..job.exchange import ExchangeWriter
 from ..job.scan import Scanned, distribute, scan, select
@@ -244,8 +247,23 @@ class _Checked:
 def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _Checked, report: VerifyReport) -> list[Problem]:
     """Every tensor of the shards in ``against`` compared with the output; the counts go into ``report``."""
     output_dir, located = checked.output_dir, checked.located
+    adapter = load_adapter(comm, options)
     scanned = select(scan(against, comm), options.include, options.exclude, options.strip_prefix)
-    layout = agree(comm, lambda: build_layout(scanned.files, scanned.names, scanned.facts, comm.size, dtype=options.dtype))
+    if adapter.rules is not None:  # the shards' tensors as the adapter made them
+        scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
+    views = None if scanned.conversion is None else scanned.conversion.views()
+    layout = agree(
+        comm,
+        lambda: build_layout(
+            scanned.files,
+            scanned.names,
+            scanned.facts,
+            comm.size,
+            dtype=options.dtype,
+            views=views,
+            keep_dtype=options.keep_dtype,
+        ),
+    )
     part = distribute(comm, scanned, layout)
     comparable, problems = against_checks(layout, against, output_dir, checked.listing, checked.results, located)
     shares = agree(

@@ -28,7 +28,8 @@ from ..comm.base import EXCHANGE_TAG
 from ..comm.interrupts import pending_signal
 from ..core.engine import Assembler, Block, Direct, Runs, block_budget, blocks, coalesce, direct_pieces, place, plan_item
 from ..core.errors import Interrupted
-from ..core.plan import Layout, Part
+from ..core.layout import Layout
+from ..core.parts import Part
 from ..core.table import ShardFiles
 from ..io.outputs import OutputBackend
 from ..io.sources import SourceFiles

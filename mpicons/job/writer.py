@@ -16,7 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from ..core.engine import Assembler, Direct, Segment, block_budget, blocks, direct_pieces, plan_item
-from ..core.plan import Layout, Part
+from ..core.layout import Layout
+from ..core.parts import Part
 from ..io.outputs import OutputBackend
 from ..io.sources import SourceFiles
 
