@@ -254,10 +254,37 @@ def _add_selection_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--strip-prefix", metavar="PREFIX", help="remove PREFIX from tensor names that start with it (e.g. 'model.')"
     )
+    cmd.add_argument(
+        "--adapter",
+        metavar="NAME|FILE",
+        help="map a trainer's names and layouts to Hugging Face's: 'torchtitan' (built-in rules, by config.json's "
+        "model_type; needs --hf-assets) or a rule file (docs/adapter-rules.md)",
+    )
+    cmd.add_argument(
+        "--hf-assets",
+        metavar="DIR",
+        help="the model's Hugging Face files (config.json, tokenizer, ...): published with the weights; "
+        "its model.safetensors.index.json, if any, decides the output files",
+    )
+    cmd.add_argument(
+        "--keep-dtype",
+        action="append",
+        default=[],
+        metavar="GLOB",
+        help="with --dtype: tensors whose output name matches GLOB keep their saved dtype (repeatable)",
+    )
 
 
 def _selection(args: argparse.Namespace) -> dict[str, Any]:
-    return {"include": tuple(args.include), "exclude": tuple(args.exclude), "strip_prefix": args.strip_prefix}
+    """The tensor selection and the adapter, the same options for consolidate, inspect and verify."""
+    return {
+        "include": tuple(args.include),
+        "exclude": tuple(args.exclude),
+        "strip_prefix": args.strip_prefix,
+        "adapter": args.adapter,
+        "hf_assets": args.hf_assets,
+        "keep_dtype": tuple(args.keep_dtype),
+    }
 
 
 def _add_job_options(cmd: argparse.ArgumentParser) -> None:
@@ -419,6 +446,7 @@ def closing_report(result: ConsolidateResult, verbose: bool, width: int) -> list
     if result.skipped:
         counted, names = skipped_parts(result.skipped)
         lines += fit_items(f"{messages.PREFIX}skipped {counted}: ", names, width)
+    lines += _adapter_lines(result, verbose, width)
     names = list(result.files) if len(result.files) < 4 else [count_of(len(result.files), "file")]
     index = [result.index_file] if result.index_file else []
     line = f"{messages.PREFIX}wrote {', '.join(names)}{''.join(' and ' + i for i in index)} to {result.output_dir}"
@@ -427,9 +455,29 @@ def closing_report(result: ConsolidateResult, verbose: bool, width: int) -> list
     return wrapped([*lines, f"{messages.PREFIX}wrote to {result.output_dir}:", *("  " + name for name in names + index)], width)
 
 
+def _adapter_lines(result: ConsolidateResult, verbose: bool, width: int) -> list[str]:
+    """The adapter's report: skipped groups one line each; dropped entries listed (all with -v)."""
+    from ..core.reports import count_of, fit_items
+
+    skipped = [line for line in result.adapted if line.startswith("skipped ")]
+    dropped = [line.removeprefix("dropped ") for line in result.adapted if line.startswith("dropped ")]
+    lines = [f"{messages.PREFIX}adapter: {line}" for line in skipped]
+    if dropped:
+        shown = (
+            dropped
+            if verbose or len(dropped) <= 4
+            else [*dropped[:3], f"... ({count_of(len(dropped) - 3, 'more')}; -v lists all)"]
+        )
+        lines += fit_items(f"{messages.PREFIX}adapter: dropped {count_of(len(dropped), 'entry', 'entries')} on purpose: ", shown, width)
+    if result.assets:
+        lines += fit_items(f"{messages.PREFIX}published with the weights: ", list(result.assets), width)
+    return lines
+
+
 def _stats_report(result: ConsolidateResult) -> dict[str, object]:
     report = result.stats.to_dict()
     report.update(files=result.files, moved_bytes=result.moved_bytes, shared_input=result.shared_input, notes=result.notes)
+    report.update(adapter=result.adapted, assets=result.assets)
     return report
 
 

@@ -20,14 +20,16 @@ import numpy as np
 
 from ..comm import as_communicator
 from ..comm.agreement import agree, agree_arguments, agree_on
+from ..core.adapting import Conversion
 from ..core.errors import InputError
-from ..core.names import missing_shards
+from ..core.names import INDEX_NAME, missing_shards
 from ..core.options import Options
 from ..core.plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, natural_key
 from ..core.reports import Problem, human_bytes, skipped_entries
 from ..core.reports import count_of as _count
 from ..core.table import ShardFiles
-from ..job.consolidation import layout_of, load_mapping
+from ..job.adaptation import convert_scanned, load_adapter
+from ..job.consolidation import layout_of, load_mapping, mapping_of
 from ..job.scan import distribute, scan, select
 
 #: Width the table output is laid out for.
@@ -97,6 +99,39 @@ class RankInfo:
     work: tuple[tuple[str, int, int, int], ...]
 
 
+@dataclass(frozen=True)
+class MappingInfo:
+    """One saved tensor under a model adapter: its Hugging Face name(s), the transform, the rule's line;
+    ``fate`` is ``written``, ``dropped`` (on purpose) or ``skipped`` (not model state)."""
+
+    source: str
+    targets: tuple[str, ...]
+    transform: str
+    rule: str
+    fate: str = "written"
+
+
+def mapping_infos(names: Sequence[str], conversion: Conversion) -> list[MappingInfo]:
+    """The adapter's mapping, a row per saved tensor, in the saved names' natural order."""
+    outputs: dict[int, list[str]] = {}
+    kind: dict[int, tuple[str, str]] = {}
+    for o in conversion.outputs:
+        outputs.setdefault(o.source, []).append(o.name)
+        kind[o.source] = (o.kind, o.rule)
+    rows = [MappingInfo(names[t], tuple(sorted(n, key=natural_key)), *kind[t]) for t, n in outputs.items()]
+    rows += [
+        MappingInfo(
+            d.name,
+            () if d.hf_name is None else (d.hf_name,),
+            "skip" if d.skipped else "drop",
+            d.rule,
+            "skipped" if d.skipped else "dropped",
+        )
+        for d in conversion.dropped
+    ]
+    return sorted(rows, key=lambda r: natural_key(r.source))
+
+
 @dataclass
 class InspectReport:
     """What :func:`inspect` found; identical on every rank. ``ok`` when nothing stops consolidation."""
@@ -117,6 +152,9 @@ class InspectReport:
     format: str = "safetensors"
     #: Entries that are not tensors, left out of a consolidation (``.distcp``: step counters, loader state).
     skipped: list[str] = field(default_factory=list)
+    #: The model adapter's rule set and mapping (``--adapter``), a row per saved tensor; None without one.
+    adapter: str | None = None
+    mapping_rows: list[MappingInfo] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -158,6 +196,8 @@ class InspectReport:
             "mapping": self.mapping,
             "format": self.format,
             "skipped": list(self.skipped),
+            "adapter": self.adapter,
+            "adapter_mapping": [{**dataclasses.asdict(m), "targets": list(m.targets)} for m in self.mapping_rows],
             "summary": {
                 "shard_files": len(self.shards),
                 "training_ranks": len(self.training_ranks),
@@ -226,8 +266,13 @@ def inspect(
         raise InputError(f"ranks must be a positive integer (got {ranks!r})")
     options.check(comm.size)
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
+    adapter = load_adapter(comm, options)
     # Tensors with pieces the scan cannot read are listed as problems, each of them, not raised.
     scanned = select(scan(input_dir, comm, listing=True), options.include, options.exclude, options.strip_prefix)
+    saved_names = scanned.names
+    if adapter.rules is not None:
+        scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
+    mapping = mapping_of(options, mapping, scanned, adapter)
     problems = Problems(strict=False)
     position = {name: t for t, name in enumerate(scanned.names)}
     for name in sorted(scanned.unreadable):
@@ -240,7 +285,9 @@ def inspect(
     kept = np.bincount(part.pieces.tensor[primary], minlength=len(scanned.names)).astype(np.int64)
     comm.allreduce_array(kept, "sum")
     label = None if options.mapping is None or isinstance(options.mapping, Mapping) else os.fspath(options.mapping)
-    return describe(
+    if label is None and mapping is not None and adapter.assets is not None:
+        label = os.path.join(adapter.assets.directory, INDEX_NAME)
+    report = describe(
         input_dir,
         scanned.files,
         scanned.facts,
@@ -255,6 +302,10 @@ def inspect(
         mapped=mapping is not None,
         skipped=scanned.skipped,
     )
+    if scanned.conversion is not None:
+        report.adapter = scanned.conversion.rules
+        report.mapping_rows = mapping_infos(saved_names, scanned.conversion)
+    return report
 
 
 def _shard_infos(files: ShardFiles, file_pieces: np.ndarray) -> list[ShardInfo]:
@@ -467,6 +518,9 @@ def _render(report: InspectReport, limit: int) -> list[str]:
     def shard_row(s: ShardInfo) -> list[str]:
         return [s.name, _dash(s.training_rank), _dash(s.output_index), str(s.pieces), _size(s.size)]
 
+    if report.adapter is not None:
+        columns = "saved tensor|transform|*Hugging Face name|line"
+        out += _table(f"adapter {report.adapter}", report.mapping_rows, limit, "saved tensor", columns, _mapping_row)
     out += _table("output files", report.files, limit, "file", ">#|*file|>tensors|>tensor bytes|>file size", file_row)
     if report.per_rank:
         columns = ">rank|>bytes|>share|>items|files|*starts at (rows)"
@@ -481,6 +535,11 @@ def _render(report: InspectReport, limit: int) -> list[str]:
         heading, shown = _section("problems", len(report.problems), limit)
         out += ["", heading, *(f"  {p}" for p in report.problems[:shown]), *_more(len(report.problems), shown, "problem")]
     return out
+
+
+def _mapping_row(m: MappingInfo) -> list[str]:
+    targets = m.targets[0] if len(m.targets) == 1 else f"{m.targets[0]} ... ({len(m.targets)})" if m.targets else "-"
+    return [m.source, m.transform if m.fate == "written" else m.fate, targets, m.rule.rsplit(":", 1)[-1]]
 
 
 def _dash(value: int | None) -> str:
