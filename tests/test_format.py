@@ -366,3 +366,44 @@ def test_edited_headers_are_accepted_exactly_when_the_reference_reader_accepts_t
         at = position % (len(header) + 1)
         header[at : at + (len(token) if overwrite else 0)] = token
     _agrees(tmp_path, bytes(header), data)
+
+
+# ---------------------------------------------------------------- the 8-byte length prefix, read alike everywhere
+
+PREFIXES = {
+    "an empty file": (b"", "file is 0 bytes, too short for a safetensors header"),
+    "7 bytes": (b"\2\0\0\0\0\0\0", "file is 7 bytes, too short for a safetensors header"),
+    "a length past the end": (struct.pack("<Q", 3) + b"{}", "header length 3 runs past the end of the 10-byte file"),
+    "a length over the limit": (
+        struct.pack("<Q", 100_000_001) + b"{}",
+        "header length 100000001 exceeds the safetensors limit of 100000000 bytes",
+    ),
+    "a length that fits": (struct.pack("<Q", 2) + b"{}", None),
+}
+
+
+@pytest.mark.parametrize("case", list(PREFIXES))
+def test_every_reader_refuses_a_bad_length_prefix_alike_and_as_the_reference_reader(tmp_path, case):
+    """The strict, the fast and verify's header readers: same verdict as safetensors, same words."""
+    from mpicons.core.headers import read_file
+    from mpicons.frontends.output_reading import Unreadable, _read_header
+
+    blob, expected = PREFIXES[case]
+    path = tmp_path / "file.safetensors"
+    path.write_bytes(blob)
+    assert _reference_accepts(path) == (expected is None)
+    said = []
+    for read, refusal in (
+        (lambda: read_header(path), InputError),
+        (lambda: read_file(str(path), "plain.safetensors"), InputError),
+        (lambda: _read_header(str(path), False), Unreadable),
+    ):
+        try:
+            read()
+            said.append(None)
+        except refusal as exc:
+            said.append(str(exc).removeprefix(f"{path}: "))
+    if expected is None:
+        assert said == [None, None, None]
+    else:
+        assert all(s is not None and s.startswith(expected) for s in said), said

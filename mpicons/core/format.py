@@ -288,24 +288,47 @@ def _parse_entry(path: str, name: str, info: object) -> TensorEntry:
     return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
 
 
+class BadPrefix(Exception):
+    """A safetensors length prefix that cannot start a header; ``what`` says why (the path is kept apart)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what)
+        self.what = what
+
+
+#: Bytes of the little-endian length that begins every safetensors file.
+PREFIX_SIZE = 8
+
+
+def header_length(prefix: bytes, file_size: int) -> int:
+    """The header length a file's first bytes give, checked as the reference reader does before reading it.
+
+    Shared by every reader so that each says the same thing about a short file, an over-limit length
+    and a length that runs past the end; raises :class:`BadPrefix`, which each caller words as its own.
+    """
+    if len(prefix) < PREFIX_SIZE:
+        raise BadPrefix(f"file is {file_size} bytes, too short for a safetensors header")
+    (length,) = struct.unpack("<Q", prefix[:PREFIX_SIZE])
+    if length > MAX_HEADER_SIZE:
+        raise BadPrefix(
+            f"header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes (not a safetensors file?)"
+        )
+    if PREFIX_SIZE + length > file_size:
+        raise BadPrefix(
+            f"header length {length} runs past the end of the {file_size}-byte file (truncated, or not a safetensors file?)"
+        )
+    return int(length)
+
+
 def read_header(path: str | os.PathLike[str]) -> Header:
     """Read and validate the header of the safetensors file at ``path`` (data is not read)."""
     label = os.fspath(path)
     with open(path, "rb") as handle:
         size = os.fstat(handle.fileno()).st_size
-        prefix = handle.read(8)
-        if len(prefix) < 8:
-            raise _bad(label, f"file is {size} bytes, too short for a safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_SIZE:
-            raise _bad(
-                label,
-                f"header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes (not a safetensors file?)",
-            )
-        if 8 + length > size:
-            raise _bad(
-                label, f"header length {length} runs past the end of the {size}-byte file (truncated, or not a safetensors file?)"
-            )
+        try:
+            length = header_length(handle.read(PREFIX_SIZE), size)
+        except BadPrefix as exc:
+            raise _bad(label, exc.what) from None
         raw = handle.read(length)
     if len(raw) != length:
         raise _bad(label, "file shrank while its header was read")

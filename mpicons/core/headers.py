@@ -11,14 +11,13 @@ import itertools
 import json
 import os
 import re
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from .errors import InputError
-from .format import DTYPE_BY_NAME, DTYPE_ORDER, MAX_DIM, MAX_HEADER_SIZE, MAX_NDIM, parse_header
+from .format import DTYPE_BY_NAME, DTYPE_ORDER, MAX_DIM, MAX_NDIM, PREFIX_SIZE, BadPrefix, header_length, parse_header
 from .names import MAX_SHARD_NUMBER, parse_shard_name
 from .table import DTYPE_BITS, Pieces, Table, shard_files, to_storage_units
 
@@ -46,20 +45,10 @@ def _read_raw(path: str) -> tuple[bytes, int]:
     try:
         with open(path, "rb") as handle:
             size = os.fstat(handle.fileno()).st_size
-            prefix = handle.read(8)
-            if len(prefix) < 8:
-                raise InputError(f"{path}: file is {size} bytes, too short for a safetensors header")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER_SIZE:
-                raise InputError(
-                    f"{path}: header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes "
-                    "(not a safetensors file?)"
-                )
-            if 8 + length > size:
-                raise InputError(
-                    f"{path}: header length {length} runs past the end of the {size}-byte file "
-                    "(truncated, or not a safetensors file?)"
-                )
+            try:
+                length = header_length(handle.read(PREFIX_SIZE), size)
+            except BadPrefix as exc:
+                raise InputError(f"{path}: {exc.what}") from None
             raw = handle.read(length)
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror})") from None

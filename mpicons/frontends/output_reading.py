@@ -12,14 +12,13 @@ import io
 import json
 import os
 import stat
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.checkpoint_checks import FileResult, Listing, file_problem, header_problem, parse_index
 from ..core.errors import InputError, WriteError
-from ..core.format import DTYPE_BY_NAME, MAX_HEADER_SIZE, Header, nbytes_of, parse_header
+from ..core.format import DTYPE_BY_NAME, PREFIX_SIZE, BadPrefix, Header, header_length, nbytes_of, parse_header
 from ..core.layout import OUTPUT_METADATA
 from ..core.names import DCP_SHARD_NAME, INDEX_NAME, SINGLE_FILE_NAME
 from ..core.reports import Problem
@@ -128,19 +127,11 @@ def _read_header(path: str, follow_links: bool) -> Header:
     fd = open_regular(path, follow_links)
     try:
         size = os.fstat(fd).st_size
-        prefix = read_at(fd, 8, 0)
-        if len(prefix) < 8:
-            raise Unreadable(f"file is {size} bytes, too short for a safetensors header")
-        (length,) = struct.unpack("<Q", prefix)
-        if length > MAX_HEADER_SIZE:
-            raise Unreadable(
-                f"header length {length} exceeds the safetensors limit of {MAX_HEADER_SIZE} bytes (not a safetensors file?)"
-            )
-        if 8 + length > size:
-            raise Unreadable(
-                f"header length {length} runs past the end of the {size}-byte file (truncated, or not a safetensors file?)"
-            )
-        raw = read_at(fd, length, 8)
+        try:
+            length = header_length(read_at(fd, PREFIX_SIZE, 0), size)
+        except BadPrefix as exc:
+            raise Unreadable(exc.what) from None
+        raw = read_at(fd, length, PREFIX_SIZE)
     finally:
         os.close(fd)
     if len(raw) != length:
