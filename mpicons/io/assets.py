@@ -1,0 +1,366 @@
+"""``--hf-assets DIR``: the model's Hugging Face files, read once and published beside the weights.
+
+A user keeps ``config.json``, the tokenizer files and ``generation_config.json`` in one directory
+(torchtitan's ``hf_assets_path``; often a Hugging Face cache snapshot, whose entries are links into
+``blobs/``). :func:`read_assets` reads what the job needs from it (the config, the index's
+``weight_map``) and decides what to copy; :func:`stage_assets` copies that into the run's staging
+directory, so the assets are published in the same transaction as the weights: never a model
+directory with weights and no config, or the reverse.
+
+Only regular files directly in DIR are copied (a link is followed only to a regular file); the
+weights and indexes found there are not (mpicons writes its own), nor are hidden entries and
+subdirectories. Copies are made in blocks in the kernel, never a whole file in memory.
+"""
+
+from __future__ import annotations
+
+import errno
+import fnmatch
+import json
+import os
+import stat
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.errors import InputError, WriteError
+from ..core.format import DTYPE_BY_NAME
+from ..core.mapping import parse_mapping
+from ..core.names import CHECKPOINT_FILE, INDEX_NAME, SHARD_FILE
+from ..core.options import DTYPE_TARGETS
+from .journal import describe_names
+from .regular_files import NotRegular, kind_of, open_regular, read_at
+from .sources import MAX_TRANSFER
+
+CONFIG_NAME = "config.json"
+#: Weights and their indexes, in any format a model directory may hold: never copied (mpicons writes the weights).
+WEIGHT_PATTERNS = (
+    "*.safetensors",
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.h5",
+    "*.msgpack",
+    "*.gguf",
+    "*.index.json",
+    ".metadata",
+    "*.distcp",
+)
+#: Largest ``config.json`` or index read (both are parsed whole; real ones are kilobytes to a few megabytes).
+READ_LIMIT = 100 << 20
+#: The config keys that give the weights' dtype: transformers ≥ 4.56 reads ``dtype`` (and prefers it when
+#: both are there) and writes only it; older versions read only ``torch_dtype``.
+DTYPE_KEYS = ("dtype", "torch_dtype")
+_COPY_BLOCK = 8 << 20
+_NO_COPY_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+
+
+@dataclass(frozen=True)
+class HFAssets:
+    """What an assets directory holds, as read once on the rank that owns the output directory."""
+
+    #: The directory given (``--hf-assets``).
+    directory: str
+    #: ``config.json`` parsed (a JSON object); None when the directory has none.
+    config: dict[str, Any] | None
+    #: ``model.safetensors.index.json``'s ``weight_map`` (tensor name → file name); None when absent.
+    weight_map: dict[str, str] | None
+    #: The names copied into the output, sorted.
+    files: tuple[str, ...]
+    #: What was left out and why (subdirectories, weights, hidden entries), one line each, for the report.
+    notes: tuple[str, ...] = ()
+    #: ``config.json``'s bytes as parsed: what is published (when no dtype is set), so the config in the
+    #: output is the one this run's rules read, even if the file changes meanwhile.
+    config_bytes: bytes | None = field(default=None, repr=False)
+
+
+def read_assets(directory: str | os.PathLike[str]) -> HFAssets:
+    """Read DIR's config and index and decide which files to copy; :class:`InputError` when DIR is unusable."""
+    path = os.fspath(directory)
+    _check_directory(path)
+    kept: list[str] = []
+    subdirectories: list[str] = []
+    weights: list[str] = []
+    hidden: list[str] = []
+    has_index = False
+    for name in sorted(_list(path)):
+        full = os.path.join(path, name)
+        if _is_weight(name):
+            if name != INDEX_NAME:
+                weights.append(name)  # never opened, whatever it is
+            elif not stat.S_ISREG(mode := _target_mode(full)):
+                raise _not_regular(full, mode)
+            else:
+                has_index = True
+            continue
+        if name.startswith("."):
+            hidden.append(name)
+            continue
+        mode = _target_mode(full)
+        if stat.S_ISDIR(mode):
+            subdirectories.append(name)
+        elif not stat.S_ISREG(mode):
+            raise _not_regular(full, mode)
+        else:
+            kept.append(name)
+    config_bytes = _read_file(os.path.join(path, CONFIG_NAME)) if CONFIG_NAME in kept else None
+    config = None if config_bytes is None else _parse_config(os.path.join(path, CONFIG_NAME), config_bytes)
+    index_path = os.path.join(path, INDEX_NAME)
+    weight_map = _parse_index(index_path, _read_file(index_path)) if has_index else None
+    _refuse_reserved(path, kept, weight_map)
+    notes = [f"left out subdirectory '{name}/' of {path} (only files directly in it are copied)" for name in subdirectories]
+    if weights:
+        notes.append(f"left out {describe_names(weights)} of {path}: weights, which mpicons writes itself")
+    if has_index:
+        notes.append(f"{index_path}: its weight_map decides the output files; mpicons writes its own index")
+    if hidden:
+        notes.append(f"left out hidden {describe_names(hidden)} of {path}")
+    return HFAssets(path, config, weight_map, tuple(kept), tuple(notes), config_bytes)
+
+
+def asset_names(assets: HFAssets) -> list[str]:
+    """The names the assets take in the output directory (for the replaced-entries check before staging)."""
+    return list(assets.files)
+
+
+def config_with_dtype(config: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """``config`` saying the weights are ``dtype`` (a safetensors name: ``BF16``, ``F16``, ``F32``).
+
+    Every dtype key already there is set (a stale ``torch_dtype`` beside ``dtype`` would mislead older
+    transformers); with neither, both are written, so every transformers version reads the same dtype.
+    """
+    torch_name = DTYPE_BY_NAME[dtype].torch
+    keys = [key for key in DTYPE_KEYS if key in config] or list(DTYPE_KEYS)
+    return {**config, **dict.fromkeys(keys, torch_name)}
+
+
+def render_config(config: dict[str, Any]) -> bytes:
+    """``config`` as transformers' ``save_pretrained`` writes it (indent 2, keys sorted, a final newline)."""
+    return (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+
+
+def stage_assets(assets: HFAssets, staging: str, dtype: str | None, durable: bool) -> list[str]:
+    """Copy ``assets.files`` into ``staging`` (created exclusively, never through an existing entry).
+
+    ``dtype``: what the weights were converted to (``--dtype``), recorded in ``config.json``, which
+    is then re-serialized; None copies it byte for byte. Returns the names staged. On any failure
+    the files this call created are removed again.
+    """
+    if dtype is not None and dtype not in DTYPE_TARGETS.values():
+        raise ValueError(f"stage_assets: dtype {dtype!r} is not one of {', '.join(DTYPE_TARGETS.values())}")
+    staged: list[str] = []
+    try:
+        for name in assets.files:
+            target = os.path.join(staging, name)
+            if name == CONFIG_NAME and dtype is not None and assets.config is not None:
+                _stage_file(target, durable, data=render_config(config_with_dtype(assets.config, dtype)))
+            elif name == CONFIG_NAME and assets.config_bytes is not None:
+                _stage_file(target, durable, data=assets.config_bytes)
+            else:
+                _stage_file(target, durable, source=os.path.join(assets.directory, name))
+            staged.append(name)
+    except BaseException:
+        for name in staged:
+            try:
+                os.unlink(os.path.join(staging, name))
+            except OSError:
+                pass
+        raise
+    return staged
+
+
+def _check_directory(path: str) -> None:
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        raise InputError(
+            f"{path}: no such directory (--hf-assets names the directory holding the model's config.json and tokenizer files)"
+        ) from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the --hf-assets directory ({exc.strerror})") from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise InputError(
+            f"{path}: is {kind_of(info.st_mode)}, not a directory (--hf-assets names the directory holding config.json)"
+        )
+
+
+def _list(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot list the --hf-assets directory ({exc.strerror})") from None
+
+
+def _is_weight(name: str) -> bool:
+    lowered = name.lower()
+    return any(fnmatch.fnmatchcase(lowered, pattern) for pattern in WEIGHT_PATTERNS)
+
+
+def _target_mode(path: str) -> int:
+    """The mode of what ``path`` leads to (a link followed); a dangling link is refused."""
+    try:
+        return os.stat(path).st_mode
+    except FileNotFoundError:
+        if os.path.islink(path):
+            raise InputError(
+                f"{path}: a symbolic link to {os.readlink(path)!r}, which does not exist: "
+                "fix or remove it (in a Hugging Face cache, download the snapshot again)"
+            ) from None
+        raise InputError(f"{path}: removed while the --hf-assets directory was read; run again") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read it ({exc.strerror})") from None
+
+
+def _not_regular(path: str, mode: int) -> InputError:
+    return InputError(
+        f"{path}: is {kind_of(mode)}, not a regular file; mpicons copies only regular files from --hf-assets: "
+        "remove it or replace it with a copy of the file"
+    )
+
+
+def _open_source(path: str) -> int:
+    """A read descriptor on the regular file at ``path`` (a link to one is followed), never blocking."""
+    try:
+        return open_regular(path, follow_links=True)
+    except NotRegular as exc:
+        raise _not_regular(path, exc.mode) from None
+    except FileNotFoundError:
+        raise InputError(f"{path}: removed from --hf-assets since the run began: put it back and run again") from None
+    except OSError as exc:
+        raise WriteError(f"{path}: cannot open it ({exc.strerror})") from None
+
+
+def _read_file(path: str) -> bytes:
+    """All of the small file at ``path`` (at most :data:`READ_LIMIT` bytes)."""
+    fd = _open_source(path)
+    try:
+        size = os.fstat(fd).st_size
+        if size > READ_LIMIT:
+            raise InputError(f"{path}: {size} bytes, more than the {READ_LIMIT >> 20} MB mpicons reads from --hf-assets")
+        data = read_at(fd, READ_LIMIT + 1, 0)
+    except OSError as exc:
+        raise WriteError(f"{path}: cannot read it ({exc.strerror})") from None
+    finally:
+        os.close(fd)
+    if len(data) > READ_LIMIT:
+        raise InputError(f"{path}: more than the {READ_LIMIT >> 20} MB mpicons reads from --hf-assets")
+    return data
+
+
+def _load_json(path: str, data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc}): {what}") from None
+
+
+def _parse_config(path: str, data: bytes) -> dict[str, Any]:
+    config = _load_json(path, data, "give the model's Hugging Face config.json")
+    if not isinstance(config, dict):
+        raise InputError(
+            f"{path}: holds a JSON {type(config).__name__}, not an object: give the model's Hugging Face config.json"
+        )
+    return config
+
+
+def _parse_index(path: str, data: bytes) -> dict[str, str]:
+    index = _load_json(path, data, "give Hugging Face's index of the model, or remove it (default sharding is used then)")
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        raise InputError(f'{path}: has no "weight_map" object (tensor name → file name): fix it or remove it')
+    for name, file_name in weight_map.items():
+        if not isinstance(file_name, str):
+            raise InputError(f"{path}: weight_map maps tensor {name!r} to {file_name!r}, not a file name: fix it or remove it")
+    return dict(parse_mapping(index, path))
+
+
+def _refuse_reserved(path: str, kept: list[str], weight_map: dict[str, str] | None) -> None:
+    """Refuse a file to copy whose name the weights take (by mpicons' naming rules or the index)."""
+    weight_files = set() if weight_map is None else set(weight_map.values())
+    for name in kept:
+        if CHECKPOINT_FILE.match(name) or SHARD_FILE.match(name):
+            raise InputError(
+                f"{os.path.join(path, name)}: the name of a checkpoint file, which mpicons writes itself: rename or remove it"
+            )
+        if name in weight_files:
+            raise InputError(
+                f"{os.path.join(path, name)}: {INDEX_NAME} names this file for weights, so it cannot also be "
+                "copied: fix the index's weight_map or remove the file"
+            )
+
+
+def _stage_file(path: str, durable: bool, data: bytes | None = None, source: str | None = None) -> None:
+    """Create ``path`` exclusively holding ``data`` or a copy of ``source`` (flushed if ``durable``).
+
+    The source is opened first (a missing one leaves nothing behind); a failure removes ``path`` again.
+    """
+    src = None if source is None else _open_source(source)
+    try:
+        try:
+            fd = os.open(path, _CREATE_FLAGS, 0o644)
+        except FileExistsError:
+            raise InputError(
+                f"{path}: already staged (another output of this run is named {os.path.basename(path)!r}); "
+                "nothing was overwritten"
+            ) from None
+        except OSError as exc:
+            raise WriteError(f"{path}: cannot create it ({exc.strerror})") from None
+        try:
+            try:
+                if src is not None and source is not None:
+                    _copy(src, fd, source, path)
+                else:
+                    _write_all(fd, data or b"", path)
+                if durable:
+                    os.fsync(fd)
+            except OSError as exc:
+                raise WriteError(f"{path}: cannot flush it to storage ({exc.strerror})") from None
+            finally:
+                os.close(fd)
+        except BaseException:
+            try:
+                os.unlink(path)  # this call's own, just created
+            except OSError:
+                pass
+            raise
+    finally:
+        if src is not None:
+            os.close(src)
+
+
+def _write_all(fd: int, data: bytes, path: str) -> None:
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view[:MAX_TRANSFER]) :]
+    except OSError as exc:
+        raise WriteError(f"{path}: cannot write it ({exc.strerror})") from None
+
+
+def _copy(src: int, dst: int, source: str, target: str) -> None:
+    """Copy all of ``src`` into ``dst`` in blocks: in the kernel when it can, else through one buffer."""
+    offset = 0
+    try:
+        while True:
+            got = os.copy_file_range(src, dst, _COPY_BLOCK, offset, offset)
+            if got == 0:
+                return
+            offset += got
+    except AttributeError:
+        pass  # no copy_file_range on this platform
+    except OSError as exc:
+        if exc.errno not in _NO_COPY_RANGE:
+            raise WriteError(f"{target}: copy from {source} failed ({exc.strerror})") from None
+    try:
+        while True:
+            block = os.pread(src, _COPY_BLOCK, offset)
+            if not block:
+                return
+            view = memoryview(block)
+            while view:
+                view = view[os.pwrite(dst, view, offset + len(block) - len(view)) :]
+            offset += len(block)
+    except OSError as exc:
+        raise WriteError(f"{target}: copy from {source} failed ({exc.strerror})") from None
