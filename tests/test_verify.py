@@ -20,6 +20,7 @@ from mpi4py import MPI
 
 import mpicons
 from mpicons.core.format import DTYPE_BY_NAME, read_header
+from mpicons.core.reports import KINDS
 from mpicons.frontends.verification import VerifyReport, verify
 
 HERE = Path(__file__).parent
@@ -43,10 +44,11 @@ def _mutate(comm: MPI.Intracomm, fn: Callable[[], None]) -> None:
 
 
 def _verify(comm: MPI.Intracomm, out: Path, **kwargs: object) -> VerifyReport:
-    """verify() on every rank; the report must be the same everywhere."""
+    """verify() on every rank; the report, problem kinds included, must be the same everywhere, every kind documented."""
     report = verify(out, comm=comm, **kwargs)
-    gathered = comm.allgather(report.to_dict())
+    gathered = comm.allgather((report.to_dict(), [p.kind for p in report.problems]))
     assert all(g == gathered[0] for g in gathered)
+    assert all(p.kind in KINDS for p in report.problems), [p.kind for p in report.problems]
     return report
 
 
@@ -76,9 +78,12 @@ def _flip(path: Path, position: int) -> None:
 ANY = object()
 
 
-def _has(report: VerifyReport, file_name: str | None, tensor: object, text: str) -> bool:
+def _has(report: VerifyReport, file_name: str | None, tensor: object, text: str, kind: str | None = None) -> bool:
     return any(
-        (file_name is None or os.path.basename(p.path) == file_name) and tensor in (ANY, p.tensor) and text in p.what
+        (file_name is None or os.path.basename(p.path) == file_name)
+        and tensor in (ANY, p.tensor)
+        and text in p.what
+        and kind in (None, p.kind)
         for p in report.problems
     )
 
@@ -165,8 +170,8 @@ def test_dtype_and_shape_are_compared_with_the_shards(mpi_tmp_path):
     _mutate(comm, damage)
     assert _verify(comm, out).ok
     report = _verify(comm, out, against=EDGE)
-    assert _has(report, FILE1, "lm_head.weight", "is BF16[64, 1003] but the shards hold BF16[1003, 64]"), report.lines()
-    assert _has(report, FILE2, "moe.router.bias", "is I64[3] but the shards hold F64[3]"), report.lines()
+    assert _has(report, FILE1, "lm_head.weight", "is BF16[64, 1003] but the shards hold BF16[1003, 64]", "mismatch")
+    assert _has(report, FILE2, "moe.router.bias", "is I64[3] but the shards hold F64[3]", "mismatch"), report.lines()
     assert len(report.problems) == 2
     assert report.compared_tensors == report.tensors - 2
 
@@ -215,45 +220,48 @@ def _write_stray(out: Path) -> None:
     (out / "extra.safetensors").write_bytes(reference_bytes({"ghost.weight": ("U8", [3], b"abc")}))
 
 
-#: name → (damage, [(file or None, tensor, text)] that must be reported, and nothing else without --against)
-BREAKAGES: dict[str, tuple[Callable[[Path], None], list[tuple[str | None, object, str]]]] = {
-    "truncated": (lambda o: os.truncate(o / FILE2, (o / FILE2).stat().st_size - 10), [(FILE2, ANY, "truncated?")]),
-    "trailing-bytes": (lambda o: open(o / FILE1, "ab").write(b"\0" * 8), [(FILE1, ANY, "trailing bytes")]),
+#: name → (damage, [(file or None, tensor, text, kind)] that must be reported, and nothing else without --against)
+BREAKAGES: dict[str, tuple[Callable[[Path], None], list[tuple[str | None, object, str, str]]]] = {
+    "truncated": (lambda o: os.truncate(o / FILE2, (o / FILE2).stat().st_size - 10), [(FILE2, ANY, "truncated?", "header")]),
+    "trailing-bytes": (lambda o: open(o / FILE1, "ab").write(b"\0" * 8), [(FILE1, ANY, "trailing bytes", "header")]),
     "corrupt-header": (
         lambda o: (o / FILE1).write_bytes((o / FILE1).read_bytes().replace(b'{"__metadata__"', b'["__metadata__"', 1)),
-        [(FILE1, None, "header is not a JSON object")],
+        [(FILE1, None, "header is not a JSON object", "header")],
     ),
     "header-too-long": (
         lambda o: (o / FILE2).write_bytes(b"\xff" * 8 + (o / FILE2).read_bytes()[8:]),
-        [(FILE2, None, "exceeds the safetensors limit")],
+        [(FILE2, None, "exceeds the safetensors limit", "header")],
     ),
     "format-not-pt": (
         lambda o: (o / FILE1).write_bytes((o / FILE1).read_bytes().replace(b'"format":"pt"', b'"format":"tf"', 1)),
-        [(FILE1, None, "'format' is 'tf'")],
+        [(FILE1, None, "'format' is 'tf'", "metadata")],
     ),
     "index-drops-tensor": (
         lambda o: _edit_index(o, lambda i: i["weight_map"].pop("buffers.step")),
-        [(FILE1, "buffers.step", "not in the index's weight_map")],
+        [(FILE1, "buffers.step", "not in the index's weight_map", "index mismatch")],
     ),
     "index-wrong-file": (
         lambda o: _edit_index(o, lambda i: i["weight_map"].update({"tiny.u8": FILE1})),
-        [(INDEX, "tiny.u8", f"weight_map names {FILE1} but the tensor is in {FILE2}")],
+        [(INDEX, "tiny.u8", f"weight_map names {FILE1} but the tensor is in {FILE2}", "index mismatch")],
     ),
     "index-extra-tensor": (
         lambda o: _edit_index(o, lambda i: i["weight_map"].update({"ghost": FILE1})),
-        [(INDEX, "ghost", f"weight_map names {FILE1}, which does not hold the tensor")],
+        [(INDEX, "ghost", f"weight_map names {FILE1}, which does not hold the tensor", "index mismatch")],
     ),
     "index-total-size": (
         lambda o: _edit_index(o, lambda i: i["metadata"].update({"total_size": i["metadata"]["total_size"] + 1})),
-        [(INDEX, None, "metadata.total_size is")],
+        [(INDEX, None, "metadata.total_size is", "index mismatch")],
     ),
-    "index-missing": (lambda o: os.unlink(o / INDEX), [(INDEX, None, "index is missing")]),
-    "index-not-json": (lambda o: (o / INDEX).write_text("{"), [(INDEX, None, "index is not valid JSON")]),
-    "file-missing": (lambda o: os.unlink(o / FILE2), [(FILE2, None, "listed in the index for 13 tensors but missing")]),
-    "stray-file": (_write_stray, [("extra.safetensors", None, "not listed in the index (stray file)")]),
+    "index-missing": (lambda o: os.unlink(o / INDEX), [(INDEX, None, "index is missing", "index")]),
+    "index-not-json": (lambda o: (o / INDEX).write_text("{"), [(INDEX, None, "index is not valid JSON", "index")]),
+    "file-missing": (
+        lambda o: os.unlink(o / FILE2),
+        [(FILE2, None, "listed in the index for 13 tensors but missing", "missing file")],
+    ),
+    "stray-file": (_write_stray, [("extra.safetensors", None, "not listed in the index (stray file)", "extra file")]),
     "staging-left": (
         lambda o: (o / ".mpicons-staging-x1y2z3").mkdir(),
-        [(".mpicons-staging-x1y2z3", None, "left by an interrupted consolidation")],
+        [(".mpicons-staging-x1y2z3", None, "left by an interrupted consolidation", "leftover")],
     ),
 }
 
@@ -268,13 +276,13 @@ def test_each_kind_of_damage_is_reported(breakage, against, mpi_tmp_path):
     _mutate(comm, lambda: damage(out))
     report = _verify(comm, out, against=EDGE if against else None)
     assert not report.ok
-    for file_name, tensor, text in expected:
-        assert _has(report, file_name, tensor, text), report.lines()
+    for file_name, tensor, text, kind in expected:
+        assert _has(report, file_name, tensor, text, kind), [(p.kind, str(p)) for p in report.problems]
     if not against:
         assert len(report.problems) == len(expected), report.lines()
     else:
         # Values of readable tensors still match: only the stray tensor is foreign to the shards.
-        assert not any("differs from the shards" in p.what for p in report.problems), report.lines()
+        assert not any(p.kind == "values" for p in report.problems), report.lines()
 
 
 @pytest.mark.mpi
@@ -295,11 +303,11 @@ def test_every_problem_is_reported_not_just_the_first(mpi_tmp_path):
     _mutate(comm, damage)
     report = _verify(comm, out, against=FIXTURES / "fsdp2-3ranks" / "sharded")
     entry_name = comm.bcast(read_header(out / files[2]).tensors[-1].name if comm.rank == 0 else None)
-    assert _has(report, files[0], ANY, "truncated?"), report.lines()
-    assert _has(report, files[1], None, "'format' is 'xx'"), report.lines()
-    assert _has(report, files[2], entry_name, "differs from the shards in 1 of"), report.lines()
-    assert _has(report, "extra.safetensors", None, "stray file"), report.lines()
-    assert _has(report, "extra.safetensors", "ghost.weight", "not in the shards"), report.lines()
+    assert _has(report, files[0], ANY, "truncated?", "header"), report.lines()
+    assert _has(report, files[1], None, "'format' is 'xx'", "metadata"), report.lines()
+    assert _has(report, files[2], entry_name, "differs from the shards in 1 of", "values"), report.lines()
+    assert _has(report, "extra.safetensors", None, "stray file", "extra file"), report.lines()
+    assert _has(report, "extra.safetensors", "ghost.weight", "not in the shards", "extra tensor"), report.lines()
     # total_size cannot be checked while a listed file is unreadable; the truncation explains it.
     assert len(report.problems) == 5, report.lines()
     assert [p.path for p in report.problems] == sorted(p.path for p in report.problems)
@@ -456,8 +464,8 @@ def test_fifos_and_directories_in_place_of_files_are_reported_unopened(mpi_tmp_p
 
     _mutate(comm, plant)
     report = _verify(comm, out, against=EDGE, follow_links=True)
-    assert _has(report, FILE2, None, "is a FIFO (named pipe), not a regular file"), report.lines()
-    assert _has(report, "extra.safetensors", None, "is a directory, not a regular file"), report.lines()
+    assert _has(report, FILE2, None, "is a FIFO (named pipe), not a regular file", "refused"), report.lines()
+    assert _has(report, "extra.safetensors", None, "is a directory, not a regular file", "refused"), report.lines()
     assert len(report.problems) == 2, report.lines()
     assert report.refused == [str(out / "extra.safetensors"), str(out / FILE2)]
 
@@ -470,8 +478,8 @@ def test_an_index_over_the_size_limit_is_not_read(tmp_path, monkeypatch):
     mpicons.consolidate(EDGE, out, comm=SingleProcess())
     monkeypatch.setattr(output_reading, "MAX_INDEX_SIZE", 100)
     report = verify(out, comm=SingleProcess())
-    assert [(os.path.basename(p.path), p.what) for p in report.problems] == [
-        (INDEX, "index is larger than the 100-byte limit (not an index?)")
+    assert [(os.path.basename(p.path), p.what, p.kind) for p in report.problems] == [
+        (INDEX, "index is larger than the 100-byte limit (not an index?)", "index")
     ]
 
 
@@ -555,8 +563,8 @@ def test_hdf5_output_with_dtype_and_a_broken_file(mpi_tmp_path):
     assert _has(_verify(comm, out, against=EDGE), "model.h5", ANY, "but the shards hold")
     _mutate(comm, lambda: (out / "model.h5").write_bytes(b"not HDF5 at all"))
     report = _verify(comm, out, against=EDGE)
-    assert _has(report, "model.h5", None, "is not an HDF5 file h5py can read"), report.lines()
-    assert not any("in no output file" in p.what for p in report.problems)
+    assert _has(report, "model.h5", None, "is not an HDF5 file h5py can read", "hdf5"), report.lines()
+    assert not any(p.kind == "missing tensor" for p in report.problems)
 
 
 def test_verify_takes_the_options_of_the_consolidation(tmp_path):

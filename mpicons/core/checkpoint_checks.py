@@ -14,17 +14,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .convert import TARGETS
-from .errors import InputError
-from .format import DTYPE_BY_NAME, TensorHeaderError
+from .format import DTYPE_BY_NAME, HeaderError
 from .layout import Layout
 from .names import INDEX_NAME, plain_file_name
 from .reports import Problem, human_bytes
 from .reports import count_of as _count
 
 
-def file_problem(path: str, tensor: str | None, what: str) -> Problem:
-    """A problem found in a file of the checkpoint (or its index)."""
-    return Problem(what, tensor, path)
+def file_problem(path: str, tensor: str | None, what: str, *, kind: str) -> Problem:
+    """A problem found in a file of the checkpoint (or its index); ``kind`` is one of ``reports.KINDS``."""
+    return Problem(what, tensor, path, kind=kind)
 
 
 @dataclass
@@ -148,28 +147,27 @@ def parse_index(index_path: str, obj: object) -> tuple[dict[str, str] | None, in
     weight_map: dict[str, str] | None = None
     raw_map = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(raw_map, dict):
-        problems.append(file_problem(index_path, None, "index has no weight_map object"))
+        problems.append(file_problem(index_path, None, "index has no weight_map object", kind="index"))
     else:
         weight_map = {}
         for tensor, file_name in raw_map.items():
             if plain_file_name(file_name):
                 weight_map[tensor] = file_name
             else:
-                problems.append(file_problem(index_path, tensor, f"weight_map value {file_name!r} is not a plain file name"))
+                what = f"weight_map value {file_name!r} is not a plain file name"
+                problems.append(file_problem(index_path, tensor, what, kind="index"))
     metadata = obj.get("metadata") if isinstance(obj, dict) else None
     size = metadata.get("total_size") if isinstance(metadata, dict) else None
     if type(size) is not int:
-        problems.append(file_problem(index_path, None, f"index has no integer metadata.total_size (got {size!r})"))
+        what = f"index has no integer metadata.total_size (got {size!r})"
+        problems.append(file_problem(index_path, None, what, kind="index"))
         size = None
     return weight_map, size, problems
 
 
-def header_problem(path: str, error: InputError) -> Problem:
-    """A header error as a Problem: the tensor it concerns (if any) carried as a value, the path apart."""
-    if isinstance(error, TensorHeaderError):
-        return file_problem(path, error.tensor, error.what)
-    message, prefix = str(error), f"{path}: "
-    return file_problem(path, None, message[len(prefix) :] if message.startswith(prefix) else message)
+def header_problem(error: HeaderError) -> Problem:
+    """A header error as a Problem: its path and the tensor it concerns (if any) carried as values."""
+    return file_problem(error.path, error.tensor, error.what, kind="header")
 
 
 def cross_check(output_dir: str, listing: Listing, results: list[FileResult]) -> tuple[dict[str, Located], list[Problem]]:
@@ -184,7 +182,12 @@ def cross_check(output_dir: str, listing: Listing, results: list[FileResult]) ->
         for tensor, dtype, shape, begin, end in result.tensors or ():
             if tensor in located:
                 problems.append(
-                    file_problem(join(result.name), tensor, f"also in {located[tensor].file}; a tensor must be in one file")
+                    file_problem(
+                        join(result.name),
+                        tensor,
+                        f"also in {located[tensor].file}; a tensor must be in one file",
+                        kind="duplicate",
+                    )
                 )
                 continue
             located[tensor] = Located(result.name, dtype, shape, result.data_start + begin, end - begin)
@@ -193,6 +196,7 @@ def cross_check(output_dir: str, listing: Listing, results: list[FileResult]) ->
             join(n),
             None,
             "left by an interrupted consolidation; the next 'mpicons consolidate' into this directory finishes or undoes it",
+            kind="leftover",
         )
         for n in listing.leftovers
     ]
@@ -202,9 +206,13 @@ def cross_check(output_dir: str, listing: Listing, results: list[FileResult]) ->
     counts: dict[str, int] = {}
     for file_name in weight_map.values():
         counts[file_name] = counts.get(file_name, 0) + 1
-    problems += [file_problem(join(n), None, "not listed in the index (stray file)") for n in listing.found if n not in listed]
     problems += [
-        file_problem(join(n), None, f"listed in the index for {_count(counts[n], 'tensor')} but missing")
+        file_problem(join(n), None, "not listed in the index (stray file)", kind="extra file")
+        for n in listing.found
+        if n not in listed
+    ]
+    problems += [
+        file_problem(join(n), None, f"listed in the index for {_count(counts[n], 'tensor')} but missing", kind="missing file")
         for n in listing.listed_missing
     ]
     readable = {r.name for r in results if r.tensors is not None}
@@ -212,12 +220,14 @@ def cross_check(output_dir: str, listing: Listing, results: list[FileResult]) ->
         where = located.get(tensor)
         if where is None:
             if file_name in readable:
-                problems.append(file_problem(index_path, tensor, f"weight_map names {file_name}, which does not hold the tensor"))
+                what = f"weight_map names {file_name}, which does not hold the tensor"
+                problems.append(file_problem(index_path, tensor, what, kind="index mismatch"))
         elif where.file != file_name:
-            problems.append(file_problem(index_path, tensor, f"weight_map names {file_name} but the tensor is in {where.file}"))
+            what = f"weight_map names {file_name} but the tensor is in {where.file}"
+            problems.append(file_problem(index_path, tensor, what, kind="index mismatch"))
     for tensor, where in located.items():
         if tensor not in weight_map and where.file in listed:
-            problems.append(file_problem(join(where.file), tensor, "not in the index's weight_map"))
+            problems.append(file_problem(join(where.file), tensor, "not in the index's weight_map", kind="index mismatch"))
     if listing.total_size is not None and listed <= readable:
         actual = sum(w.nbytes for w in located.values() if w.file in listed)
         if actual != listing.total_size:
@@ -226,6 +236,7 @@ def cross_check(output_dir: str, listing: Listing, results: list[FileResult]) ->
                     index_path,
                     None,
                     f"metadata.total_size is {listing.total_size} but the files hold {actual} bytes of tensor data",
+                    kind="index mismatch",
                 )
             )
     return located, problems
@@ -257,7 +268,12 @@ def against_checks(
         if where is None:
             if weight_map.get(info.name, sole) not in unreadable:  # else its file's problem says it all
                 problems.append(
-                    file_problem(output_dir, info.name, f"in the shards ({info.dtype}{list(info.shape)}) but in no output file")
+                    file_problem(
+                        output_dir,
+                        info.name,
+                        f"in the shards ({info.dtype}{list(info.shape)}) but in no output file",
+                        kind="missing tensor",
+                    )
                 )
         elif (where.dtype, where.shape) != (info.dtype, info.shape):
             problems.append(
@@ -265,16 +281,17 @@ def against_checks(
                     join(where.file),
                     info.name,
                     f"is {where.dtype}{list(where.shape)} but the shards hold {info.dtype}{list(info.shape)}",
+                    kind="mismatch",
                 )
             )
         else:
             comparable.add(t)
     for tensor, where in located.items():
         if tensor not in names:
-            problems.append(file_problem(join(where.file), tensor, f"not in the shards in {against}"))
+            problems.append(file_problem(join(where.file), tensor, f"not in the shards in {against}", kind="extra tensor"))
     hint = _dtype_hint(plan, located)
     if hint:
-        problems.append(file_problem(output_dir, None, hint))
+        problems.append(file_problem(output_dir, None, hint, kind="dtype option"))
     return comparable, problems
 
 
@@ -308,7 +325,7 @@ def diff_problems(plan: Layout, output_dir: str, located: dict[str, Located], di
         diff, info = diffs[t], plan.tensors[t]
         path = os.path.join(output_dir, located[info.name].file)
         if diff.error:
-            problems.append(file_problem(path, info.name, diff.error))
+            problems.append(file_problem(path, info.name, diff.error, kind="unreadable"))
         if diff.count:
             units = int(np.prod(info.storage, dtype=np.int64))
             noun = "elements" if info.unit * 8 == DTYPE_BY_NAME[info.dtype].bits else "bytes"
@@ -319,6 +336,7 @@ def diff_problems(plan: Layout, output_dir: str, located: dict[str, Located], di
                     info.name,
                     f"differs from the shards in {diff.count} of {units} {noun}; first at {index} "
                     f"(output bytes {diff.got.hex()}, shards {diff.want.hex()})",
+                    kind="values",
                 )
             )
     return problems

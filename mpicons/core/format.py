@@ -117,18 +117,34 @@ def _short(value: object) -> str:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-def _bad(path: str, what: str) -> InputError:
-    return InputError(f"{path}: {what}")
+class HeaderError(InputError):
+    """A header that breaks the rules, its path (and tensor, if one entry is at fault) kept as values
+    beside the message, so a report need not take them back out of the text."""
+
+    tensor: str | None = None
+
+    def __init__(self, path: str, what: str) -> None:
+        super().__init__(f"{path}: {what}")
+        self.path, self.what = path, what
+
+    def __reduce__(self) -> tuple[type[HeaderError], tuple[str, ...]]:
+        return type(self), (self.path, self.what)
 
 
-class TensorHeaderError(InputError):
+def _bad(path: str, what: str) -> HeaderError:
+    return HeaderError(path, what)
+
+
+class TensorHeaderError(HeaderError):
     """A header entry that breaks the rules, with its tensor kept as a value beside the message."""
 
+    tensor: str
+
     def __init__(self, path: str, tensor: str, what: str) -> None:
-        super().__init__(f"{path}: tensor {tensor!r}: {what}")
+        InputError.__init__(self, f"{path}: tensor {tensor!r}: {what}")
         self.path, self.tensor, self.what = path, tensor, what
 
-    def __reduce__(self) -> tuple[type[TensorHeaderError], tuple[str, str, str]]:
+    def __reduce__(self) -> tuple[type[TensorHeaderError], tuple[str, ...]]:
         return type(self), (self.path, self.tensor, self.what)
 
 

@@ -6,13 +6,54 @@ import textwrap
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+#: Every ``Problem.kind``, with what it means: a caller acts on the kind, never on the message's words.
+KINDS: dict[str, str] = {
+    # the plan (consolidate, inspect, verify --against): what the shards say
+    "hole": "no piece covers some elements of a tensor (or the pieces fall short of its shape)",
+    "overlap": "two or more pieces cover the same elements",
+    "no data": "no piece holds any data for a tensor that has elements",
+    "copy": "a shard file only repeats the pieces of another one",
+    "dtype": "a tensor's pieces disagree on its dtype",
+    "ndim": "a tensor's pieces disagree on its number of dimensions",
+    "extent": "a piece reaches past the tensor's shape",
+    "misaligned": "pieces of a sub-byte dtype not cut on byte boundaries of the last dimension",
+    "too large": "a tensor larger than mpicons can address (2**62 bytes)",
+    "destination": "a tensor is given two different output files",
+    "mapping": "--mapping does not name every tensor, or names what is not there",
+    "options": "options that contradict each other",
+    "empty": "the checkpoint holds no tensors",
+    "not dcp": "a shard file without DCP sharding information among DCP shards",
+    "shard name": "shard file names that do not say consistently which output file each feeds",
+    "unreadable": "a file that cannot be read (the system's reason given), or that changed while read",
+    # verify: a consolidated checkpoint as it is on disk
+    "refused": "an entry verify does not open: a link (unless followed), a FIFO, a device, a directory",
+    "lock": "a lock file mpicons cannot read as its own",
+    "locked": "a consolidation holds the directory: its content may be changing",
+    "sharded": "the directory holds DCP shards, not a consolidated checkpoint",
+    "leftover": "what an interrupted consolidation left in the directory",
+    "header": "a safetensors header (or its length prefix) that breaks the format's rules",
+    "metadata": "a file's __metadata__ 'format' missing or not the one Hugging Face checkpoints need",
+    "hdf5": "an HDF5 output h5py cannot read, or a dataset not stored as mpicons stores it",
+    "index": "the index missing, not JSON, too large, or without a usable weight_map or metadata.total_size",
+    "index mismatch": "the index and the files disagree: where a tensor is, or the total size",
+    "duplicate": "a tensor in more than one file",
+    "extra file": "a file in the directory that is not part of the checkpoint",
+    "missing file": "a file the index lists that is not there",
+    # verify --against: the output compared with the shards
+    "missing tensor": "a tensor of the shards in no output file",
+    "extra tensor": "a tensor of the output not in the shards",
+    "mismatch": "a tensor whose dtype or shape differs from the shards'",
+    "values": "a tensor whose bytes differ from the shards'",
+    "dtype option": "the output's floats were converted: verify with the --dtype it was written with",
+}
+
 
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong, as a value carried from where it is found to where it is reported.
 
-    ``message`` is the text shown; ``kind`` (``hole``, ``overlap``, ``dtype``, ...) lets a caller act on
-    the problem without reading that text; ``tensor`` and ``path`` are what it concerns (if any);
+    ``message`` is the text shown; ``kind`` (one of :data:`KINDS`) lets a caller act on the problem
+    without reading that text; ``tensor`` and ``path`` are what it concerns (if any);
     ``region`` and ``files`` are the element region and the shard files it names. Shown as
     ``path: tensor 'name': message`` when it has a path, else as ``message`` alone (a plan's message
     names its tensor and files itself).
@@ -21,7 +62,7 @@ class Problem:
     message: str
     tensor: str | None = None
     path: str | None = None
-    kind: str = field(default="other", kw_only=True)
+    kind: str = field(kw_only=True)
     region: str | None = field(default=None, kw_only=True)
     files: tuple[str, ...] = field(default=(), kw_only=True)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ..core.checkpoint_checks import FileResult, Listing, file_problem, header_problem, parse_index
 from ..core.errors import InputError, WriteError
-from ..core.format import DTYPE_BY_NAME, PREFIX_SIZE, BadPrefix, Header, header_length, nbytes_of, parse_header
+from ..core.format import DTYPE_BY_NAME, PREFIX_SIZE, BadPrefix, Header, HeaderError, header_length, nbytes_of, parse_header
 from ..core.layout import OUTPUT_METADATA
 from ..core.names import DCP_SHARD_NAME, INDEX_NAME, SINGLE_FILE_NAME
 from ..core.reports import Problem
@@ -44,15 +44,19 @@ _KINDS = (
 
 
 class Unreadable(Exception):
-    """A file verify cannot read as what it should be; ``what`` says why (the path is kept apart)."""
+    """A file verify cannot read as what it should be; ``what`` says why (the path is kept apart), ``kind``
+    is the problem's kind (``reports.KINDS``): unreadable, or not what it should be (``header``, ``index``)."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, kind: str = "unreadable") -> None:
         super().__init__(what)
-        self.what = what
+        self.what, self.kind = what, kind
 
 
 class Refused(Unreadable):
     """An entry verify will not open: a link (unless followed), a FIFO, a device, a directory."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(what, "refused")
 
 
 def _kind(mode: int) -> str:
@@ -115,11 +119,11 @@ def _read_index(path: str, follow_links: bool) -> object:
     finally:
         os.close(fd)
     if len(raw) > MAX_INDEX_SIZE:
-        raise Unreadable(f"index is larger than the {MAX_INDEX_SIZE}-byte limit (not an index?)")
+        raise Unreadable(f"index is larger than the {MAX_INDEX_SIZE}-byte limit (not an index?)", "index")
     try:
         return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise Unreadable(f"index is not valid JSON ({exc})") from None
+        raise Unreadable(f"index is not valid JSON ({exc})", "index") from None
 
 
 def _read_header(path: str, follow_links: bool) -> Header:
@@ -130,7 +134,7 @@ def _read_header(path: str, follow_links: bool) -> Header:
         try:
             length = header_length(read_at(fd, PREFIX_SIZE, 0), size)
         except BadPrefix as exc:
-            raise Unreadable(exc.what) from None
+            raise Unreadable(exc.what, "header") from None
         raw = read_at(fd, length, PREFIX_SIZE)
     finally:
         os.close(fd)
@@ -176,12 +180,14 @@ def _classify(output_dir: str, names: Sequence[str], follow_links: bool) -> _Ent
             entries.missing.append(name)
             continue
         except OSError as exc:
-            why = f"cannot be looked at ({exc.strerror})"
+            entries.refused.append(name)
+            entries.problems.append(file_problem(path, None, f"cannot be looked at ({exc.strerror})", kind="unreadable"))
+            continue
         if why is None:
             entries.regular.append(name)
         else:
             entries.refused.append(name)
-            entries.problems.append(file_problem(path, None, why))
+            entries.problems.append(file_problem(path, None, why, kind="refused"))
     return entries
 
 
@@ -195,7 +201,7 @@ def _lock_problem(output_dir: str) -> tuple[Problem | None, bool]:
     try:
         seen = read_lock(output_dir)
     except OSError as exc:
-        return file_problem(lock, None, f"cannot be read ({exc.strerror or exc})"), True
+        return file_problem(lock, None, f"cannot be read ({exc.strerror or exc})", kind="lock"), True
     if seen is None:
         return None, False
     if seen.holder is None:
@@ -203,10 +209,9 @@ def _lock_problem(output_dir: str) -> tuple[Problem | None, bool]:
             f"{seen.describe(lock)}; if no consolidation is running, remove it "
             "(or let the next consolidate take it over with --break-lock)"
         )
-        return file_problem(lock, None, what), True
-    return file_problem(
-        lock, None, f"a consolidation holds this directory ({seen.holder.describe()}): its content may be changing"
-    ), False
+        return file_problem(lock, None, what, kind="lock"), True
+    what = f"a consolidation holds this directory ({seen.holder.describe()}): its content may be changing"
+    return file_problem(lock, None, what, kind="locked"), False
 
 
 def list_output(output_dir: str, follow_links: bool) -> Listing:
@@ -227,24 +232,24 @@ def list_output(output_dir: str, follow_links: bool) -> Listing:
             f"holds {_count(len(shards), 'DCP shard file')} (shard-*-model-*.safetensors), not a consolidated "
             f"checkpoint; to check a consolidation of it: mpicons verify OUTPUT_DIR --against {output_dir}"
         )
-        return Listing([], [], None, None, [], [], [file_problem(output_dir, None, what)], sharded=True)
+        return Listing([], [], None, None, [], [], [file_problem(output_dir, None, what, kind="sharded")], sharded=True)
     problems, refused = list(candidates.problems), list(candidates.refused)
     lock, lock_refused = _lock_problem(output_dir)
     problems += [lock] if lock else []
     refused += [LOCK_NAME] if lock_refused else []
     if HDF5_NAME in names and not os.path.lexists(index_path):
-        problems += [file_problem(os.path.join(output_dir, n), None, _NOT_HDF5) for n in found]
+        problems += [file_problem(os.path.join(output_dir, n), None, _NOT_HDF5, kind="extra file") for n in found]
         hdf5 = _hdf5_result(output_dir, follow_links)
         return Listing([], leftovers, None, None, [], [], problems, refused=refused, hdf5=hdf5)
     obj: object = None
     if not os.path.lexists(index_path):
         if found != [SINGLE_FILE_NAME]:  # a lone model.safetensors needs no index (Hugging Face writes none)
-            problems.append(file_problem(index_path, None, "index is missing (the checkpoint is incomplete)"))
+            problems.append(file_problem(index_path, None, "index is missing (the checkpoint is incomplete)", kind="index"))
     else:
         try:
             obj = _read_index(index_path, follow_links)
         except Unreadable as exc:
-            problems.append(file_problem(index_path, None, exc.what))
+            problems.append(file_problem(index_path, None, exc.what, kind=exc.kind))
             refused += [INDEX_NAME] if isinstance(exc, Refused) else []
     weight_map, total_size, more = parse_index(index_path, obj) if obj is not None else (None, None, [])
     problems += more
@@ -263,17 +268,18 @@ def check_file(output_dir: str, name: str, follow_links: bool) -> FileResult:
     try:
         header = _read_header(path, follow_links)
     except Unreadable as exc:
-        return FileResult(name, None, 0, [file_problem(path, None, exc.what)], refused=isinstance(exc, Refused))
-    except InputError as exc:
-        return FileResult(name, None, 0, [header_problem(path, exc)])
+        problem = file_problem(path, None, exc.what, kind=exc.kind)
+        return FileResult(name, None, 0, [problem], refused=isinstance(exc, Refused))
+    except HeaderError as exc:
+        return FileResult(name, None, 0, [header_problem(exc)])
     except OSError as exc:
-        return FileResult(name, None, 0, [file_problem(path, None, f"cannot read ({exc.strerror})")])
+        return FileResult(name, None, 0, [file_problem(path, None, f"cannot read ({exc.strerror})", kind="unreadable")])
     problems = []
     expected = OUTPUT_METADATA["format"]
     got = header.metadata.get("format")
     if got != expected:
         what = "has no __metadata__ 'format'" if got is None else f"__metadata__ 'format' is {got!r}"
-        problems.append(file_problem(path, None, f"{what}; Hugging Face checkpoints need {expected!r}"))
+        problems.append(file_problem(path, None, f"{what}; Hugging Face checkpoints need {expected!r}", kind="metadata"))
     tensors = [(e.name, e.dtype, e.shape, e.begin, e.end) for e in header.tensors]
     return FileResult(name, tensors, header.data_start, problems)
 
@@ -295,9 +301,9 @@ def _hdf5_result(output_dir: str, follow_links: bool) -> FileResult:
     try:
         fd = open_regular(path, follow_links)
     except Refused as exc:
-        return FileResult(HDF5_NAME, None, 0, [file_problem(path, None, exc.what)], refused=True)
+        return FileResult(HDF5_NAME, None, 0, [file_problem(path, None, exc.what, kind=exc.kind)], refused=True)
     except OSError as exc:
-        return FileResult(HDF5_NAME, None, 0, [file_problem(path, None, f"cannot read ({exc.strerror})")])
+        return FileResult(HDF5_NAME, None, 0, [file_problem(path, None, f"cannot read ({exc.strerror})", kind="unreadable")])
     size = os.fstat(fd).st_size
     tensors: list[tuple[str, str, tuple[int, ...], int, int]] = []
     problems: list[Problem] = []
@@ -309,7 +315,8 @@ def _hdf5_result(output_dir: str, follow_links: bool) -> FileResult:
                 described = _hdf5_tensor(path, dataset, size)
                 (problems if isinstance(described, Problem) else tensors).append(described)  # type: ignore[arg-type]
     except OSError as exc:  # h5py's error for a file that is not HDF5 (or breaks while read)
-        return FileResult(HDF5_NAME, None, 0, [file_problem(path, None, f"is not an HDF5 file h5py can read ({exc})")])
+        what = f"is not an HDF5 file h5py can read ({exc})"
+        return FileResult(HDF5_NAME, None, 0, [file_problem(path, None, what, kind="hdf5")])
     return FileResult(HDF5_NAME, tensors, 0, problems)
 
 
@@ -325,20 +332,21 @@ def _hdf5_tensor(path: str, dataset: Any, file_size: int) -> tuple[str, str, tup
 
     name, dtype = _attr_text(dataset.attrs.get("name")), _attr_text(dataset.attrs.get("dtype"))
     if name is None or dtype not in DTYPE_BY_NAME:
-        return file_problem(path, None, f"dataset {dataset.name} has no 'name' and safetensors 'dtype' attributes")
+        return file_problem(path, None, f"dataset {dataset.name} has no 'name' and safetensors 'dtype' attributes", kind="hdf5")
     if dataset.name != dataset_path(name):
-        return file_problem(path, name, f"is the dataset {dataset.name}; mpicons stores it at {dataset_path(name)}")
+        return file_problem(path, name, f"is the dataset {dataset.name}; mpicons stores it at {dataset_path(name)}", kind="hdf5")
     if dataset.dtype != storage_dtype(dtype):
         what = f"is stored as {dataset.dtype}, not as {storage_dtype(dtype)} (its dtype attribute is {dtype})"
-        return file_problem(path, name, what)
+        return file_problem(path, name, what, kind="hdf5")
     shape = tuple(int(d) for d in dataset.shape)
     bits = DTYPE_BY_NAME[dtype].bits
     if bits % 8 and shape:  # sub-byte dtypes are stored with their last dimension in bytes
         shape = (*shape[:-1], shape[-1] * 8 // bits)
     nbytes = nbytes_of(dtype, shape) or 0
     if dataset.id.get_create_plist().get_layout() != h5py.h5d.CONTIGUOUS:
-        return file_problem(path, name, "is not a contiguous dataset, so its bytes cannot be compared in place")
+        return file_problem(path, name, "is not a contiguous dataset, so its bytes cannot be compared in place", kind="hdf5")
     offset = dataset.id.get_offset()
     if nbytes and (offset is None or offset + nbytes > file_size or dataset.id.get_storage_size() != nbytes):
-        return file_problem(path, name, f"its {nbytes} bytes of data are not all allocated in the {file_size}-byte file")
+        what = f"its {nbytes} bytes of data are not all allocated in the {file_size}-byte file"
+        return file_problem(path, name, what, kind="hdf5")
     return name, dtype, shape, int(offset or 0), int(offset or 0) + nbytes
