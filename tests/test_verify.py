@@ -88,6 +88,28 @@ def _has(report: VerifyReport, file_name: str | None, tensor: object, text: str,
     )
 
 
+def test_every_kind_the_package_gives_a_problem_is_documented():
+    """Each ``kind="..."`` given to ``Problem`` or ``file_problem`` in mpicons is in KINDS."""
+    import ast
+
+    def constants(node: ast.expr) -> list[str]:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return [node.value]
+        if isinstance(node, ast.IfExp):
+            return constants(node.body) + constants(node.orelse)
+        return []
+
+    used: dict[str, str] = {}
+    for path in sorted(Path(mpicons.__file__).parent.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("Problem", "file_problem"):
+                for keyword in node.keywords:
+                    if keyword.arg == "kind":
+                        used.update((k, f"{path.name}:{node.lineno}") for k in constants(keyword.value))
+    assert {"hole", "header", "values"} <= set(used), sorted(used)  # the walk finds what it should
+    assert {k: where for k, where in used.items() if k not in KINDS} == {}
+
+
 # ---------------------------------------------------------------- sound checkpoints
 
 
