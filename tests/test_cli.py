@@ -59,6 +59,12 @@ def test_every_consolidate_option_is_passed_on():
             "*.bias",
             "--strip-prefix",
             "model.",
+            "--adapter",
+            "torchtitan",
+            "--hf-assets",
+            "assets",
+            "--keep-dtype",
+            "*norm*",
         ]
     )
     options = job_options(args)
@@ -77,6 +83,9 @@ def test_every_consolidate_option_is_passed_on():
         include=("model.*", "lm_head.*"),
         exclude=("*.bias",),
         strip_prefix="model.",
+        adapter="torchtitan",
+        hf_assets="assets",
+        keep_dtype=("*norm*",),
         sync=False,
         progress=3.0,
         verbose=True,
