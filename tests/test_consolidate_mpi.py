@@ -74,17 +74,21 @@ def test_rows_larger_than_the_buffer(mpi_tmp_path):
 
 
 def test_sub_communicator_leaves_the_rest_alone(mpi_tmp_path):
-    """Each half of the job consolidates on its own sub-communicator, with identical results."""
+    """Each half of the job consolidates on its own sub-communicator, with identical results.
+
+    Asserted only after the last collective (``Free``, ``Barrier``): a rank failing before them would
+    leave the others waiting there."""
     world = MPI.COMM_WORLD
     color = world.rank % 2
     sub = world.Split(color, world.rank)
+    size = sub.size
     try:
         out = mpi_tmp_path / f"out-{color}"
         result = mpicons.consolidate(FIXTURES / "tp2d-4ranks" / "sharded", out, comm=sub)
-        assert result.stats.ranks == sub.size
     finally:
         sub.Free()
     world.Barrier()
+    assert result.stats.ranks == size
     expected, mapping = fixture_expected("tp2d-4ranks")
     assert_consolidated(mpi_tmp_path / f"out-{color}", expected, index_weight_map(mapping))
 
@@ -93,13 +97,13 @@ def test_stats_are_reduced_over_ranks(mpi_tmp_path):
     comm = MPI.COMM_WORLD
     result = mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", mpi_tmp_path / "out", comm=comm)
     stats = result.stats
+    gathered = comm.allgather(stats.to_dict())  # before any assertion: a rank failing first would leave the rest here
+    assert all(g == gathered[0] for g in gathered)
     assert stats.ranks == comm.size
     assert set(stats.phases) == {"scan", "plan", "write", "finalize"}
     for spread in stats.phases.values():
         assert 0 <= spread.min <= spread.mean <= spread.max
     assert stats.bytes_per_rank.mean * comm.size == pytest.approx(stats.total_bytes)
-    gathered = comm.allgather(stats.to_dict())
-    assert all(g == gathered[0] for g in gathered)
 
 
 def test_balanced_split_on_one_output_file(mpi_tmp_path):

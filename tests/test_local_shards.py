@@ -44,6 +44,8 @@ def test_local_shards_give_the_shared_filesystem_bytes(layout, gather_to, mpi_tm
     gather = None if gather_to is None else comm.size - 1
     out = mpi_tmp_path / "out"
     result = mpicons.consolidate(template, out, comm=comm, gather_to=gather, buffer_size=1 << 18)
+    # The reference is made before any assertion: a rank failing first would leave the rest in its collectives.
+    shared = mpicons.consolidate(mpi_tmp_path / "shared", mpi_tmp_path / "reference", comm=comm)
     assert result.shared_input == (comm.size == 1)
     assert sum(result.bytes_per_rank) == result.total_bytes
     if gather is not None:
@@ -54,7 +56,6 @@ def test_local_shards_give_the_shared_filesystem_bytes(layout, gather_to, mpi_tm
     elif comm.size > 1:
         assert result.moved_bytes > 0  # column-sharded tensors need pieces from other ranks
     assert_consolidated(out, sample_expected(CONFIG), expected_mapping(CONFIG))
-    shared = mpicons.consolidate(mpi_tmp_path / "shared", mpi_tmp_path / "reference", comm=comm)
     for name in shared.files:
         assert (out / name).read_bytes() == (mpi_tmp_path / "reference" / name).read_bytes()
 
