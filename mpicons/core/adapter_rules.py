@@ -181,6 +181,11 @@ def _expression(text: str, where: str) -> ast.expr:
     return tree.body
 
 
+def _names_config(node: ast.AST) -> bool:
+    """Whether an expression reads a config field (a name), rather than numbers only."""
+    return any(isinstance(n, (ast.Name, ast.Attribute)) for n in ast.walk(node))
+
+
 def _pattern(source: str, where: str) -> re.Pattern[str]:
     """A source pattern as a regular expression: ``{X}`` digits (named X), ``*`` one dotted part, ``**`` anything."""
     parts, names, position = [], set(), 0
@@ -319,11 +324,11 @@ def parse_rules(text: str, origin: str) -> RuleSet:
         source, target = found.group("source"), found.group("target")
         pattern = _pattern(source, where)
         transform = _transform(found.group("transform"), where)
-        if transform.kind not in ("rename", "drop", "unbind"):
+        if transform.kind != "unbind" and any(_names_config(node) for node in transform.args.values()):
             reads_config = True
         rule = Rule(number, source, None if target == "-" else target, transform, pattern, condition, negated)
         _check_target(rule, set(pattern.groupindex), where)
-        if "+" in (target or ""):
+        if any(found.group(2) and _names_config(_expression(found.group(2), where)) for found in _TARGET_FIELD.finditer(target)):
             reads_config = True
         rules.append(rule)
     if not rules:

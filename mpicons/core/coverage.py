@@ -25,8 +25,9 @@ def region_text(low: Sequence[int], high: Sequence[int], rank: int) -> str:
 
 
 def element_region(tensor: Tensor, low: Sequence[int] | np.ndarray, high: Sequence[int] | np.ndarray) -> str:
-    """A storage-unit box as the element region messages show (sub-byte last dimension in elements)."""
-    rank = max(1, len(tensor.shape))
+    """A storage-unit box as the element region messages show (sub-byte last dimension in elements;
+    for an adapter's rotary view, the box in the view's coordinates)."""
+    rank = tensor.dims
     low, high = [int(x) for x in low[:rank]], [int(x) for x in high[:rank]]
     bits = DTYPE_BY_NAME[tensor.source_dtype].bits
     if bits % 8 and tensor.shape:
@@ -76,7 +77,7 @@ def _check_item(layout: Layout, part: Part, item: WorkItem, problems: Problems) 
     """The exact check of one item's rows on a grid of the pieces' cut points (or pairwise when huge)."""
     tensor = layout.tensors[item.tensor]
     pieces = part.tensor_pieces(item.tensor)
-    rank = max(1, len(tensor.shape))
+    rank = tensor.dims
     whole = (item.row_begin, item.row_end) == (0, tensor.rows)
     where = f"tensor {tensor.name!r} (shape {list(tensor.shape)})"
     scope = "overall" if whole else f"in rows {item.row_begin}:{item.row_end}"

@@ -46,6 +46,11 @@ class Tensor:
             object.__setattr__(self, "source_unit", self.unit)
 
     @property
+    def dims(self) -> int:
+        """How many coordinates the pieces have: the header's rank, or (an adapter's view) the storage's."""
+        return max(1, len(self.shape) if self.axes is None else len(self.storage))
+
+    @property
     def rows(self) -> int:
         return self.storage[0]
 

@@ -468,7 +468,9 @@ def _adapter_lines(result: ConsolidateResult, verbose: bool, width: int) -> list
             if verbose or len(dropped) <= 4
             else [*dropped[:3], f"... ({count_of(len(dropped) - 3, 'more')}; -v lists all)"]
         )
-        lines += fit_items(f"{messages.PREFIX}adapter: dropped {count_of(len(dropped), 'entry', 'entries')} on purpose: ", shown, width)
+        lines += fit_items(
+            f"{messages.PREFIX}adapter: dropped {count_of(len(dropped), 'entry', 'entries')} on purpose: ", shown, width
+        )
     if result.assets:
         lines += fit_items(f"{messages.PREFIX}published with the weights: ", list(result.assets), width)
     return lines

@@ -22,11 +22,16 @@ from ..comm import as_communicator
 from ..comm.agreement import agree, agree_arguments, agree_on
 from ..core.adapting import Conversion
 from ..core.errors import InputError
+from ..core.facts import TensorFacts
+from ..core.layout import Layout
 from ..core.names import INDEX_NAME, missing_shards
 from ..core.options import Options
-from ..core.plan import SPLITS, Layout, Problems, RowOwners, TensorFacts, natural_key
+from ..core.owners import RowOwners
+from ..core.planner import natural_key
+from ..core.problems import Problems
 from ..core.reports import Problem, human_bytes, skipped_entries
 from ..core.reports import count_of as _count
+from ..core.split import SPLITS
 from ..core.table import ShardFiles
 from ..job.adaptation import convert_scanned, load_adapter
 from ..job.consolidation import layout_of, load_mapping, mapping_of

@@ -12,8 +12,8 @@ import os
 from typing import Protocol
 
 from ..core.errors import InputError
+from ..core.layout import Layout
 from ..core.names import INDEX_NAME
-from ..core.plan import Layout
 from .hdf5 import HDF5_NAME, check_names, create_layout, retarget
 
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..core.errors import InputError, WriteError
 from ..core.format import DTYPE_BY_NAME
-from ..core.plan import Layout, OutputFile
+from ..core.layout import Layout, OutputFile
 
 HDF5_NAME = "model.h5"
 _RAW = {8: np.uint8, 16: np.uint16}

@@ -13,10 +13,14 @@ from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on, wait_for_all
 from ..comm.interrupts import deferred, forget_pending, raise_pending, raising_inside
 from ..core.errors import InputError, MpiconsError
+from ..core.layout import Layout
 from ..core.machine import check_buffer_size, check_names_fit, check_path_fits, host_name
+from ..core.mapping import parse_mapping
 from ..core.names import INDEX_NAME
 from ..core.options import DEFAULT_BUFFER_SIZE, DTYPE_TARGETS, FORMATS, Options
-from ..core.plan import HF_MAX_SHARD_SIZE, Layout, Part, Problems, build_layout, parse_mapping
+from ..core.parts import Part
+from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
+from ..core.problems import Problems
 from ..io.backends import open_output
 from ..io.formats import OutputFormat, output_format
 from ..io.outdir import OutputDir

@@ -2,7 +2,7 @@
 pieces of the rows it owns.
 
 Each header is read once, by one rank that can see the file. What the layout needs is per tensor
-and is combined with a few Allreduce calls (:class:`~mpicons.core.plan.TensorFacts`); the pieces stay
+and is combined with a few Allreduce calls (:class:`~mpicons.core.facts.TensorFacts`); the pieces stay
 where they were read until the layout says which rank owns which rows, then one Alltoallv moves
 each piece to the ranks whose rows it crosses. No rank ever holds the whole piece table.
 """
@@ -24,27 +24,20 @@ import numpy as np
 
 from ..comm.agreement import Comm, agree
 from ..core.adapting import Conversion
+from ..core.coverage import merge_problems
 from ..core.distcp_items import Item, locate_all
 from ..core.distcp_metadata import DistcpTable, read_metadata
 from ..core.errors import InputError
+from ..core.facts import TensorFacts, local_facts, local_odd, piece_destinations, set_odd
 from ..core.format import DTYPES
 from ..core.headers import list_shards, read_headers, relabel
+from ..core.layout import Layout
 from ..core.machine import host_name
 from ..core.names import DATA_SUFFIX, METADATA_NAME, missing_shards
-from ..core.plan import (
-    Layout,
-    Part,
-    Problems,
-    RowOwners,
-    TensorFacts,
-    build_part,
-    copied_file_problem,
-    local_facts,
-    local_odd,
-    merge_problems,
-    piece_destinations,
-    set_odd,
-)
+from ..core.owners import RowOwners
+from ..core.part_builder import build_part, copied_file_problem
+from ..core.parts import Part
+from ..core.problems import Problems
 from ..core.reports import count_of
 from ..core.table import Pieces, ShardFiles, shard_files, to_storage_units
 
