@@ -136,6 +136,13 @@ def wrapped(lines: Sequence[str], width: int) -> list[str]:
 def skipped_parts(names: Sequence[str], show: int = 5) -> tuple[str, list[str]]:
     """(``2 entries that are not tensors``, the first ``show`` names and ``and N more``)."""
     counted = count_of(len(names), "entry that is not a tensor", "entries that are not tensors")
+    groups: dict[str, int] = {}
+    for name in names:
+        group = name.split(".", 1)[0]
+        groups[group] = groups.get(group, 0) + 1
+    if len(names) > show and 1 < len(groups) <= 4 * show:  # a trainer's state groups, each counted
+        members = set(names)
+        return counted, [g if n == 1 and g in members else f"{g}.* ({n})" for g, n in sorted(groups.items())]
     more = [f"and {len(names) - show} more"] if len(names) > show else []
     return counted, [*names[:show], *more]
 
@@ -143,5 +150,5 @@ def skipped_parts(names: Sequence[str], show: int = 5) -> tuple[str, list[str]]:
 def skipped_entries(names: Sequence[str], show: int = 5) -> str:
     """``2 entries that are not tensors: a, b`` (the first ``show`` named)."""
     counted, shown = skipped_parts(names, show)
-    more = f" {shown.pop()}" if len(names) > show else ""
+    more = f" {shown.pop()}" if shown and shown[-1].startswith("and ") else ""
     return f"{counted}: {', '.join(shown)}{more}"

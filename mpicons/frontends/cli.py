@@ -479,7 +479,7 @@ def _adapter_lines(result: ConsolidateResult, verbose: bool, width: int) -> list
 def _stats_report(result: ConsolidateResult) -> dict[str, object]:
     report = result.stats.to_dict()
     report.update(files=result.files, moved_bytes=result.moved_bytes, shared_input=result.shared_input, notes=result.notes)
-    report.update(adapter=result.adapted, assets=result.assets)
+    report.update(adapter=result.adapted, assets=result.assets, skipped=result.skipped)
     return report
 
 
