@@ -175,10 +175,21 @@ def _expression(text: str, where: str) -> ast.expr:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError:
         raise InputError(f"{where}: {text.strip()!r} is not an expression") from None
-    for node in ast.walk(tree):
-        if not isinstance(node, _ALLOWED_NODES):
-            raise InputError(f"{where}: {text.strip()!r}: only numbers, config fields, + - * // and lists are allowed")
+    if not _plain(tree):
+        raise InputError(f"{where}: {text.strip()!r}: only whole numbers, config fields, + - * // and lists are allowed")
     return tree.body
+
+
+def _plain(node: ast.AST) -> bool:
+    """Only whole numbers and dotted config names (no attribute of anything else, no strings or floats)."""
+    for n in ast.walk(node):
+        if not isinstance(n, _ALLOWED_NODES):
+            return False
+        if isinstance(n, ast.Constant) and type(n.value) is not int:
+            return False
+        if isinstance(n, ast.Attribute) and not isinstance(n.value, (ast.Name, ast.Attribute)):
+            return False
+    return True
 
 
 def _names_config(node: ast.AST) -> bool:
@@ -245,9 +256,10 @@ def _transform(text: str | None, where: str) -> Transform:
             if not isinstance(node, ast.Name):
                 raise InputError(f"{where}: unbind's argument is the target's capture name, as in unbind(E)")
             continue
-        for inner in ast.walk(node):
-            if not isinstance(inner, _ALLOWED_NODES):
-                raise InputError(f"{where}: {kind} {name}={ast.unparse(node)!r}: only numbers, config fields, + - * // and lists")
+        if not _plain(node):
+            raise InputError(
+                f"{where}: {kind} {name}={ast.unparse(node)!r}: only whole numbers, config fields, + - * // and lists"
+            )
     return Transform(kind, args)
 
 

@@ -283,7 +283,7 @@ def _rope(p: Pieces, unit: np.ndarray, out: int, heads: int, a: int, b: int, wid
     r0, r1 = p.offset[:, 0], p.offset[:, 0] + p.shape[:, 0]
     up = lambda x, m: -(-x // m) * m  # noqa: E731
     p1 = np.minimum(r1, up(r0, b))
-    p2 = np.minimum(r1, np.maximum(p1, up(p1, per_head)))
+    p2 = np.maximum(p1, np.minimum(up(p1, per_head), r1 // b * b))  # whole b-runs only: a partial last run is box 4
     p3 = np.maximum(p2, r1 // per_head * per_head)
     p4 = np.maximum(p3, r1 // b * b)
     bounds = [r0, p1, p2, p3, p4, r1]
