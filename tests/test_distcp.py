@@ -17,6 +17,7 @@ import struct
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import (
     DISTCP_FIXTURES,
@@ -30,6 +31,7 @@ from helpers import (
     slow_beyond,
 )
 from mpi4py import MPI
+from safetensors.numpy import save_file
 
 import mpicons
 from mpicons.core.distcp_items import Item, locate
@@ -218,7 +220,6 @@ def _data_pkl(pickled_storage: str, offset: int, size: tuple[int, ...], stride: 
 @pytest.mark.parametrize(
     "case, phrase",
     [
-        ("transposed as saved", "not row-major"),
         ("hostile data.pkl", "refused without running anything"),
         ("compressed storage", "compressed"),
         ("wrong dtype", "the archive holds F64, the metadata says F32"),
@@ -229,7 +230,7 @@ def _data_pkl(pickled_storage: str, offset: int, size: tuple[int, ...], stride: 
     ],
 )
 def test_an_item_that_is_not_what_the_metadata_says_is_named(tmp_path: Path, case: str, phrase: str | None) -> None:
-    """The ``transposed`` fixture: one F32 tensor [4, 3] that torch saved with strides (1, 4)."""
+    """On the ``transposed`` fixture (one F32 tensor [4, 3] that torch saved with strides (1, 4)), items altered."""
     checkpoint = copy_fixture("transposed", tmp_path)
     values = struct.pack("<12f", *range(12))
     if case == "hostile data.pkl":
@@ -495,11 +496,20 @@ def test_metadata_that_cannot_be_followed_is_refused(
 
 
 def test_the_metadata_written_here_is_read_the_same_with_properties_as_a_tuple(tmp_path: Path) -> None:
-    """Control for the cases above: the same metadata, followable, gets as far as the piece."""
+    """Control for the cases above: the same metadata, followable, is read to the end."""
     checkpoint = copy_fixture("transposed", tmp_path)
     (checkpoint / ".metadata").write_bytes(_one_tensor_metadata({"relative_path": "__0_0.distcp", "offset": 0, "length": 1577}))
-    with pytest.raises(InputError, match="not row-major"):
-        mpicons.consolidate(checkpoint, tmp_path / "out", comm=MPI.COMM_SELF)
+    mpicons.consolidate(checkpoint, tmp_path / "out", comm=MPI.COMM_SELF)
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_piece_torch_saved_transposed_is_read_in_its_order(tmp_path: Path) -> None:
+    """The ``transposed`` fixture: torch saved the transpose of arange(12).reshape(3, 4) with strides (1, 4)."""
+    checkpoint = copy_fixture("transposed", tmp_path)
+    mpicons.consolidate(checkpoint, tmp_path / "out", comm=MPI.COMM_SELF)
+    expected = np.ascontiguousarray(np.arange(12, dtype=np.float32).reshape(3, 4).T)
+    save_file({"weight": expected}, tmp_path / "expected.safetensors", metadata={"format": "pt"})
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "expected.safetensors").read_bytes()
 
 
 # ---------------------------------------------------------------- item extents agree with the archive's records
@@ -720,11 +730,12 @@ def test_the_opcode_check_passes_what_torch_and_the_sample_write(tmp_path: Path)
             assert items
 
 
-# ---------------------------------------------------------------- layouts not read yet: named, with what to do
+# ---------------------------------------------------------------- layouts not read: named, with what to do
 
 
 def _strided_checkpoint(tmp_path: Path, strided: list[str], good: list[str]) -> Path:
-    """Tensors [4, 3] of F32, one data file each: ``strided`` ones saved transposed, ``good`` row-major."""
+    """Tensors [4, 3] of F32, one data file each: ``strided`` ones saved as a view with no contiguous dim
+    (strides (2, 8) into 24 elements, as ``x[::2, ::2]`` of a [8, 6] tensor's transpose), ``good`` row-major."""
     module = "torch.distributed.checkpoint.metadata"
     checkpoint = tmp_path / "strided"
     checkpoint.mkdir()
@@ -750,14 +761,20 @@ def _strided_checkpoint(tmp_path: Path, strided: list[str], good: list[str]) -> 
     (checkpoint / ".metadata").write_bytes(
         dumps(Obj(Global(module, "Metadata"), {"state_dict_metadata": entries, "storage_data": storage}))
     )
-    for rank, _ in enumerate(good, start=len(strided)):
-        one = tmp_path / f"good-{rank}"
+    for rank, name in enumerate(strided + good):
+        one = tmp_path / f"item-{rank}"
         one.mkdir()
         shutil.copy(checkpoint / f"__{rank}_0.distcp", one / "__0_0.distcp")
-        members = {
-            "archive/data.pkl": _data_pkl("FloatStorage", 0, (4, 3), (3, 1)),
-            "archive/data/0": struct.pack("<12f", *range(12)),
-        }
+        if name in strided:
+            members = {
+                "archive/data.pkl": _data_pkl("FloatStorage", 0, (4, 3), (2, 8), numel=24),
+                "archive/data/0": struct.pack("<24f", *range(24)),
+            }
+        else:
+            members = {
+                "archive/data.pkl": _data_pkl("FloatStorage", 0, (4, 3), (3, 1)),
+                "archive/data/0": struct.pack("<12f", *range(12)),
+            }
         _replace_item(one, members)
         shutil.copy(one / "__0_0.distcp", checkpoint / f"__{rank}_0.distcp")
     return checkpoint
@@ -769,8 +786,8 @@ def test_inspect_lists_every_strided_tensor_and_what_to_do(tmp_path: Path) -> No
     assert not report.ok
     assert sorted(p.tensor for p in report.problems) == ["a.weight", "b.weight", "c.weight"]
     for problem in report.problems:
-        assert "strides [1, 4]" in problem.what and f"--exclude {problem.tensor}" in problem.what, problem.what
-        assert "cannot read this layout yet" in problem.what and "__" in problem.what, problem.what
+        assert "strides [2, 8]" in problem.what and f"--exclude {problem.tensor}" in problem.what, problem.what
+        assert "no dimension is contiguous" in problem.what and "__" in problem.what, problem.what
     assert {t.name: t.status for t in report.tensors}["d.weight"] == "ok"
 
 

@@ -233,10 +233,6 @@ def _unit_bytes(pieces: Pieces, bits_of: Callable[[int], int]) -> np.ndarray:
     return np.where(per % 8 == 0, per // 8, 1)
 
 
-def _row_bytes(shape: np.ndarray, unit: np.ndarray) -> np.ndarray:
-    return np.prod(shape[:, 1:], axis=1) * unit
-
-
 def _unbind(p: Pieces, unit: np.ndarray, ids: np.ndarray) -> Pieces:
     count = p.shape[:, 0]
     rep = np.repeat(np.arange(len(p)), count)
@@ -247,9 +243,14 @@ def _unbind(p: Pieces, unit: np.ndarray, ids: np.ndarray) -> Pieces:
     offset = np.zeros((len(rep), width), dtype=np.int64)
     shape[:, : width - 1] = p.shape[rep, 1:]
     offset[:, : width - 1] = p.offset[rep, 1:]
-    begin = p.begin[rep] + step * _row_bytes(p.shape[rep], unit[rep])
+    strides = p.strides()[rep]
+    begin = p.begin[rep] + step * strides[:, 0] * unit[rep]
     ndim = (p.ndim[rep] - 1).astype(p.ndim.dtype)
-    return Pieces(ids[index].astype(np.int32), p.file[rep], p.dtype[rep], ndim, shape, offset, begin, p.holder[rep])
+    stride = None
+    if p.stride is not None:  # a view keeps its strides, less dim 0
+        stride = np.ones((len(rep), width), dtype=np.int64)
+        stride[:, : width - 1] = strides[:, 1:]
+    return Pieces(ids[index].astype(np.int32), p.file[rep], p.dtype[rep], ndim, shape, offset, begin, p.holder[rep], stride)
 
 
 def _split_rows(p: Pieces, unit: np.ndarray, ids: np.ndarray, groups: int, sizes: Sequence[int]) -> Pieces:
@@ -273,8 +274,10 @@ def _split_rows(p: Pieces, unit: np.ndarray, ids: np.ndarray, groups: int, sizes
     offset = p.offset[rep].copy()
     shape[:, 0] = hi - lo
     offset[:, 0] = group * np.array(sizes, dtype=np.int64)[part] + (lo - interval_start[q])
-    begin = p.begin[rep] + (lo - low[rep]) * _row_bytes(p.shape[rep], unit[rep])
-    return Pieces(ids[part].astype(np.int32), p.file[rep], p.dtype[rep], p.ndim[rep], shape, offset, begin, p.holder[rep])
+    strides = p.strides()[rep]
+    begin = p.begin[rep] + (lo - low[rep]) * strides[:, 0] * unit[rep]
+    stride = None if p.stride is None else strides
+    return Pieces(ids[part].astype(np.int32), p.file[rep], p.dtype[rep], p.ndim[rep], shape, offset, begin, p.holder[rep], stride)
 
 
 def _rope(p: Pieces, unit: np.ndarray, out: int, heads: int, a: int, b: int, width: int) -> Pieces:
@@ -287,7 +290,8 @@ def _rope(p: Pieces, unit: np.ndarray, out: int, heads: int, a: int, b: int, wid
     p3 = np.maximum(p2, r1 // per_head * per_head)
     p4 = np.maximum(p3, r1 // b * b)
     bounds = [r0, p1, p2, p3, p4, r1]
-    row_bytes = _row_bytes(p.shape, unit)
+    strides = p.strides()
+    row_bytes = strides[:, 0] * unit
     boxes = []
     for k in range(5):
         lo, hi = bounds[k], bounds[k + 1]
@@ -314,8 +318,16 @@ def _rope(p: Pieces, unit: np.ndarray, out: int, heads: int, a: int, b: int, wid
         shape[:, 3 : 3 + inner] = p.shape[keep, 1 : 1 + inner]
         offset[:, 3 : 3 + inner] = p.offset[keep, 1 : 1 + inner]
         begin = p.begin[keep] + (lo - r0[keep]) * row_bytes[keep]
+        stride = None
+        if p.stride is not None:  # rows h·a·b + i·b + j apart in the view's three dims, the rest as saved
+            stride = np.ones((n, width), dtype=np.int64)
+            row = strides[keep, 0]
+            stride[:, 0], stride[:, 1], stride[:, 2] = row * a * b, row * b, row
+            stride[:, 3 : 3 + inner] = strides[keep, 1 : 1 + inner]
         ndim = (3 + np.maximum(1, p.ndim[keep].astype(np.int64) - 1)).astype(p.ndim.dtype)
-        boxes.append(Pieces(np.full(n, out, np.int32), p.file[keep], p.dtype[keep], ndim, shape, offset, begin, p.holder[keep]))
+        boxes.append(
+            Pieces(np.full(n, out, np.int32), p.file[keep], p.dtype[keep], ndim, shape, offset, begin, p.holder[keep], stride)
+        )
     return Pieces.concat(boxes, width)
 
 

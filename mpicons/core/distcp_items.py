@@ -228,14 +228,17 @@ def locate(path: str, items: Sequence[Item], fast: bool = True) -> np.ndarray:
 
     Raises InputError at the first item that cannot be read (see :func:`locate_all`).
     """
-    begins, problems = locate_all(path, items, fast)
+    begins, problems, _ = locate_all(path, items, fast)
     if problems:
         raise InputError(problems[0].message)
     return begins
 
 
-def locate_all(path: str, items: Sequence[Item], fast: bool = True) -> tuple[np.ndarray, list[ItemProblem]]:
-    """Where each item's piece begins in the data file at ``path``, and every item that cannot be read.
+def locate_all(
+    path: str, items: Sequence[Item], fast: bool = True
+) -> tuple[np.ndarray, list[ItemProblem], dict[int, tuple[int, ...]]]:
+    """Where each item's piece begins in the data file at ``path``, every item that cannot be read, and
+    the strides of the items torch saved as views (transposed, sliced), by position; row-major ones are not listed.
 
     ``fast``: read archives laid out as ``torch.save`` writes them with two small reads each (their
     first and last 4 KiB), and any other through :mod:`zipfile` (``False``: every one through it).
@@ -245,6 +248,7 @@ def locate_all(path: str, items: Sequence[Item], fast: bool = True) -> tuple[np.
     pickles: dict[bytes, object] = {}  # data.pkl → what it says: pieces of one shape pickle alike
     begins = np.zeros(len(items), dtype=np.int64)
     problems: list[ItemProblem] = []
+    views: dict[int, tuple[int, ...]] = {}
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
@@ -254,17 +258,19 @@ def locate_all(path: str, items: Sequence[Item], fast: bool = True) -> tuple[np.
         blobs: dict[int, dict[str, _BlobEntry]] = {}
         for i, item in enumerate(items):
             try:
-                begins[i] = _locate_one(fd, path, size, item, pickles, blobs, fast)
+                begins[i], stride = _locate_one(fd, path, size, item, pickles, blobs, fast)
+                if stride is not None:
+                    views[i] = stride
             except InputError as exc:
                 problems.append(ItemProblem(i, item.name, str(exc)))
     finally:
         os.close(fd)
-    return begins, problems
+    return begins, problems, views
 
 
 def _locate_one(
     fd: int, path: str, size: int, item: Item, pickles: dict[bytes, object], blobs: dict[int, dict[str, _BlobEntry]], fast: bool
-) -> int:
+) -> tuple[int, tuple[int, ...] | None]:
     where = f"{path}: tensor {item.name!r} (piece at {list(item.offsets)})"
     if item.item_offset + item.item_length > size:
         raise InputError(
@@ -276,7 +282,7 @@ def _locate_one(
     blob = blobs.get(item.item_offset)
     if blob is None:
         blob = blobs[item.item_offset] = _blob_entries(fd, path, where, item.item_offset, size)
-    return _blob_piece(blob, where, item)
+    return _blob_piece(blob, where, item), None
 
 
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
@@ -365,8 +371,11 @@ def _boundaries(locals_: Sequence[int], central: int) -> dict[int, int]:
     return {local: nxt for local, nxt in zip(ordered, [*ordered[1:], central])}
 
 
-def _archive_piece(fd: int, where: str, item: Item, pickles: dict[bytes, object], fast: bool) -> int:
-    """Where the piece's bytes begin inside its ``torch.save`` archive, checked against the metadata."""
+def _archive_piece(
+    fd: int, where: str, item: Item, pickles: dict[bytes, object], fast: bool
+) -> tuple[int, tuple[int, ...] | None]:
+    """Where the piece's bytes begin inside its ``torch.save`` archive, checked against the metadata,
+    and its strides if it is a view."""
     head = tail = b""
     found = None
     if fast:
@@ -401,12 +410,12 @@ def _archive_piece(fd: int, where: str, item: Item, pickles: dict[bytes, object]
         raise InputError(f"{where}: the archive has no storage {ref.storage.key!r}")
     if member[0] != zipfile.ZIP_STORED:
         raise InputError(f"{where}: unsupported: the storage is compressed in the archive")
-    _check_ref(where, item, ref, member[1])
+    stride = _check_ref(where, item, ref, member[1])
     start = _member_start(fd, where, item, name, member[2], member[1], boundary[member[2]], head)
-    return item.item_offset + start + ref.storage_offset * DTYPE_BY_NAME[ref.dtype].bits // 8
+    return item.item_offset + start + ref.storage_offset * DTYPE_BY_NAME[ref.dtype].bits // 8, stride
 
 
-def _archive_piece_zipfile(fd: int, where: str, item: Item) -> int:
+def _archive_piece_zipfile(fd: int, where: str, item: Item) -> tuple[int, tuple[int, ...] | None]:
     """:func:`_archive_piece` for any zip archive, read through :mod:`zipfile`."""
     try:
         archive = zipfile.ZipFile(_Window(fd, item.item_offset, item.item_length))
@@ -431,17 +440,19 @@ def _archive_piece_zipfile(fd: int, where: str, item: Item) -> int:
         raise InputError(f"{where}: the archive has no storage {ref.storage.key!r}")
     if member.compress_type != zipfile.ZIP_STORED:
         raise InputError(f"{where}: unsupported: the storage is compressed in the archive")
-    _check_ref(where, item, ref, member.file_size)
+    stride = _check_ref(where, item, ref, member.file_size)
     if member.compress_size != member.file_size:
         raise InputError(f"{where}: the archive's records of {member.filename} disagree on its size")
     start = _member_start(
         fd, where, item, member.filename, member.header_offset, member.file_size, boundary[member.header_offset]
     )
-    return item.item_offset + start + ref.storage_offset * DTYPE_BY_NAME[ref.dtype].bits // 8
+    return item.item_offset + start + ref.storage_offset * DTYPE_BY_NAME[ref.dtype].bits // 8, stride
 
 
-def _check_ref(where: str, item: Item, ref: _TensorRef, stored_bytes: int) -> None:
-    """The saved tensor must be the metadata's piece, row-major, inside its storage."""
+def _check_ref(where: str, item: Item, ref: _TensorRef, stored_bytes: int) -> tuple[int, ...] | None:
+    """The saved tensor must be the metadata's piece, inside its storage; its strides when it is a view
+    torch saved as one (transposed or sliced: any order of non-overlapping dims, one of them
+    contiguous), None when it is row-major or has no elements (strides then mean nothing)."""
     if ref.dtype != item.dtype:
         raise InputError(f"{where}: the archive holds {ref.dtype}, the metadata says {item.dtype}")
     if ref.size != item.shape:
@@ -453,18 +464,40 @@ def _check_ref(where: str, item: Item, ref: _TensorRef, stored_bytes: int) -> No
         expected.append(step)
         step *= dim
     expected.reverse()
-    if any(d > 1 and s != e for d, s, e in zip(ref.size, ref.stride, expected)):
-        raise InputError(
-            f"{where}: unsupported yet: stored with strides {list(ref.stride)}, not row-major ({expected}), as "
-            f"torch saves a transposed or sliced view; mpicons cannot read this layout yet: leave the tensor out "
-            f"with --exclude {shlex.quote(item.name)} (and save it contiguous next time, e.g. .contiguous() before saving)"
-        )
     unit = DTYPE_BY_NAME[ref.dtype].bits // 8
     storage_bytes = ref.storage.numel * (unit if ref.storage.dtype is not None else 1)
     if storage_bytes != stored_bytes:
         raise InputError(f"{where}: the storage is {stored_bytes} bytes in the archive, its pickle says {storage_bytes}")
-    if (ref.storage_offset + step) * unit > stored_bytes and step:
-        raise InputError(f"{where}: the tensor runs past the end of its storage ({stored_bytes} bytes)")
+    if step == 0:
+        return None  # no elements: nothing to read, whatever the strides say
+    if all(d <= 1 or s == e for d, s, e in zip(ref.size, ref.stride, expected)):
+        if (ref.storage_offset + step) * unit > stored_bytes:
+            raise InputError(f"{where}: the tensor runs past the end of its storage ({stored_bytes} bytes)")
+        return None
+    _check_view(where, item, ref, unit, stored_bytes)
+    return tuple(int(s) for s in ref.stride)
+
+
+def _check_view(where: str, item: Item, ref: _TensorRef, unit: int, stored_bytes: int) -> None:
+    """A view's strides: no two elements in one place, one dim contiguous, every element inside the storage."""
+    dims = sorted((s, d) for s, d in zip(ref.stride, ref.size) if d > 1)
+    leave_out = f"leave the tensor out with --exclude {shlex.quote(item.name)}"
+    if DTYPE_BY_NAME[ref.dtype].bits % 8:
+        raise InputError(
+            f"{where}: a {ref.dtype} tensor saved with strides {list(ref.stride)}: mpicons reads sub-byte dtypes "
+            f"row-major only; {leave_out}"
+        )
+    if any(s < 0 for s in ref.stride) or dims[0][0] != 1:
+        raise InputError(
+            f"{where}: saved with strides {list(ref.stride)}: no dimension is contiguous (a strided slice such as "
+            f"x[:, ::2]); mpicons cannot read it at block cost: {leave_out}, or save a contiguous copy (.contiguous())"
+        )
+    for (inner, size), (outer, _) in zip(dims, dims[1:]):
+        if outer < inner * size:
+            raise InputError(f"{where}: strides {list(ref.stride)} make elements overlap for shape {list(ref.size)}")
+    last = ref.storage_offset + sum((d - 1) * s for s, d in zip(ref.stride, ref.size))
+    if (last + 1) * unit > stored_bytes:
+        raise InputError(f"{where}: the view runs past the end of its storage ({stored_bytes} bytes)")
 
 
 #: A tensor of a safetensors blob: dtype, shape, absolute data start, byte length, saved offsets.

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .convert import convert, numpy_dtype
+from .errors import InputError
 from .layout import Layout, Tensor, WorkItem
 from .parts import Part
+from .table import Pieces
 
 #: A contiguous, unconverted piece at least this large is copied file to file instead of assembled.
 DIRECT_MIN = 1 << 20
@@ -73,16 +75,36 @@ class Direct:
     holder: int = -1  # a rank that can read the shard file
 
 
+@dataclass(frozen=True)
+class Transpose:
+    """A piece saved as a transposed view, placed in a block: its bytes were read in their saved order
+    into ``scratch`` (bytes past the block's own, a box of ``saved_shape``); numpy moves them to
+    ``dst`` with ``dst_strides`` (bytes per dim, the tensor's order), ``axes`` giving each dim's place
+    in the saved order."""
+
+    scratch: int
+    saved_shape: tuple[int, ...]
+    axes: tuple[int, ...]
+    dst: int
+    dst_strides: tuple[int, ...]
+    unit: int
+
+
 @dataclass
 class Runs:
     """Byte ranges from shard files into a block: ``file``, ``src`` (absolute), ``dst`` (block, source layout),
-    ``length``, and ``holder``, a rank that can read the file (the one that read its header)."""
+    ``length``, and ``holder``, a rank that can read the file (the one that read its header).
+
+    ``transposes``: pieces saved as transposed views, whose runs land past the block (``dst`` at
+    least the block's source size, ``scratch`` bytes in all) and are moved in by :meth:`Assembler.finish`."""
 
     file: np.ndarray
     src: np.ndarray
     dst: np.ndarray
     length: np.ndarray
     holder: np.ndarray
+    transposes: tuple[Transpose, ...] = ()
+    scratch: int = 0
 
     FIELDS = ("file", "src", "dst", "length", "holder")
 
@@ -90,14 +112,17 @@ class Runs:
         return len(self.file)
 
     def take(self, index: np.ndarray) -> Runs:
-        return Runs(*(getattr(self, n)[index] for n in self.FIELDS))
+        """Some of the runs (the transposes stay with the whole: they are the block's, not a reader's)."""
+        return Runs(self.file[index], self.src[index], self.dst[index], self.length[index], self.holder[index])
 
     @classmethod
     def concat(cls, parts: list[Runs]) -> Runs:
         if not parts:
             empty = np.zeros(0, dtype=np.int64)
             return cls(empty, empty, empty, empty, empty)
-        return cls(*(np.concatenate([getattr(p, n) for p in parts]) for n in cls.FIELDS))
+        file, src, dst, length, holder = (np.concatenate([getattr(p, n) for p in parts]) for n in cls.FIELDS)
+        transposes = tuple(t for p in parts for t in p.transposes)
+        return cls(file, src, dst, length, holder, transposes, sum(p.scratch for p in parts))
 
 
 # ---------------------------------------------------------------- sizes
@@ -136,6 +161,7 @@ def direct_pieces(layout: Layout, part: Part, shared: bool = True) -> np.ndarray
     storage, converting, unit = arrays.storage, arrays.converting, arrays.source_unit
     full = np.all((pieces.shape[:, 1:] == storage[pieces.tensor, 1:]) & (pieces.offset[:, 1:] == 0), axis=1)
     full &= arrays.same_from[pieces.tensor] == 0  # rows in another order are assembled
+    full &= pieces.dense()  # so are views torch saved (transposed, sliced)
     nbytes = np.prod(pieces.shape, axis=1) * unit[pieces.tensor]
     return full & ~converting[pieces.tensor] & (nbytes >= DIRECT_MIN) & shared
 
@@ -234,6 +260,18 @@ def _pairs(layout: Layout, part: Part, block: Block) -> tuple[np.ndarray, ...]:
     return segment[keep], piece[keep], low[keep], high[keep], seg_low, np.cumsum(sizes) - sizes
 
 
+def dense_from(shape: np.ndarray, stride: np.ndarray) -> np.ndarray:
+    """Per piece, the first dim from which its saved bytes are row-major (its width: none, a transposed view)."""
+    width = shape.shape[1]
+    chained = np.ones(len(shape), dtype=bool)
+    first = np.full(len(shape), width, dtype=np.int64)
+    for d in range(width - 1, -1, -1):
+        expected = 1 if d == width - 1 else stride[:, d + 1] * shape[:, d + 1]
+        chained &= (stride[:, d] == expected) | (shape[:, d] <= 1)
+        first = np.where(chained, d, first)
+    return first
+
+
 def _innermost(shape: np.ndarray, offset: np.ndarray, storage: np.ndarray) -> np.ndarray:
     """Per piece, the innermost dimension it does not span in full (0: it spans every trailing one)."""
     width = storage.shape[1]
@@ -251,18 +289,39 @@ def runs_of(layout: Layout, part: Part, block: Block, limit: int | None = None) 
         return None if limit is not None and len(runs) > limit else runs
     segment, piece, low, high, seg_low, base = _pairs(layout, part, block)
     pieces = part.pieces
+    transposes = None
+    steps = None
+    if pieces.stride is not None:  # views torch saved: runs follow their strides; transposed ones go apart
+        steps = pieces.stride[piece]
+        chain = dense_from(pieces.shape[piece], steps)
+        flipped = chain == pieces.width
+        if flipped.any():
+            keep = np.flatnonzero(flipped)
+            transposes = _transposed_runs(layout, block, pieces, segment[keep], piece[keep], low[keep], high[keep], seg_low, base)
+            normal = np.flatnonzero(~flipped)
+            segment, piece, low, high, steps, chain = (
+                segment[normal],
+                piece[normal],
+                low[normal],
+                high[normal],
+                steps[normal],
+                chain[normal],
+            )
     tensor_ids = pieces.tensor[piece]
     storage = layout.arrays.storage[tensor_ids]
     shape, offset = pieces.shape[piece], pieces.offset[piece]
     # Reordered dims (an adapter's rotary rows) are never inside a run: runs start below them.
     innermost = np.maximum(_innermost(shape, offset, storage), layout.arrays.same_from[tensor_ids])
+    if steps is not None:
+        innermost = np.maximum(innermost, chain)
+    extra = 0 if transposes is None else len(transposes)
     if limit is not None:
         per_row = np.ones(len(piece), dtype=np.int64)
         for d in range(1, storage.shape[1]):
             per_row *= np.where(d < innermost, shape[:, d], 1)
-        if int(np.where(innermost == 0, 1, (high - low) * per_row).sum()) > limit:
+        if int(np.where(innermost == 0, 1, (high - low) * per_row).sum()) + extra > limit:
             return None
-    return _runs(
+    runs = _runs(
         storage,
         offset,
         shape,
@@ -276,7 +335,89 @@ def runs_of(layout: Layout, part: Part, block: Block, limit: int | None = None) 
         pieces.holder[piece].astype(np.int64),
         innermost,
         layout.arrays.axes[tensor_ids],
+        steps,
     )
+    return runs if transposes is None else Runs.concat([runs, transposes])
+
+
+def _transposed_runs(
+    layout: Layout,
+    block: Block,
+    pieces: Pieces,
+    segment: np.ndarray,
+    piece: np.ndarray,
+    low: np.ndarray,
+    high: np.ndarray,
+    seg_low: np.ndarray,
+    base: np.ndarray,
+) -> Runs:
+    """Pieces saved as transposed views: per (segment, piece), the box read in its saved order (one run
+    per saved row, merged where the box spans whole saved rows) into scratch past the block, and a
+    :class:`Transpose` that puts it in place. Per piece, never per element."""
+    arrays = layout.arrays
+    scratch_at = block.source_size
+    parts: list[Runs] = []
+    assert pieces.stride is not None
+    for s, p, lo, hi in zip(segment.tolist(), piece.tolist(), low.tolist(), high.tolist()):
+        t = int(pieces.tensor[p])
+        unit = int(arrays.source_unit[t])
+        shape = pieces.shape[p].copy()
+        shape[0] = hi - lo
+        stride = pieces.stride[p]
+        order = tuple(sorted(range(len(shape)), key=lambda d: (-int(stride[d]) if shape[d] > 1 else 1, d)))
+        saved_shape = shape[list(order)]
+        saved_stride = stride[list(order)]
+        if saved_shape[-1] > 1 and saved_stride[-1] != 1:
+            raise InputError(
+                f"tensor {layout.tensors[t].name!r}: a piece saved with strides {stride.tolist()} has no contiguous "
+                "dimension: mpicons cannot read this layout"
+            )
+        # Saved dims from the innermost that the box spans whole (and that follow on) merge into one run.
+        inner = len(order) - 1
+        while (
+            inner > 0
+            and saved_shape[inner] == pieces.shape[p][order[inner]]
+            and saved_stride[inner - 1] == saved_stride[inner] * saved_shape[inner]
+        ):
+            inner -= 1
+        outer = saved_shape[:inner]
+        run_units = int(np.prod(saved_shape[inner:]))
+        start = int(pieces.begin[p]) + (lo - int(pieces.offset[p, 0])) * int(stride[0]) * unit
+        grid = np.indices(tuple(int(x) for x in outer)).reshape(len(outer), -1) if inner else np.zeros((0, 1), dtype=np.int64)
+        src = start + (saved_stride[:inner] @ grid) * unit if inner else np.array([start], dtype=np.int64)
+        count = len(src)
+        dst = scratch_at + np.arange(count, dtype=np.int64) * run_units * unit
+        storage = np.array(layout.tensors[t].storage, dtype=np.int64)[None, :]
+        axes = arrays.axes[t][None, :]
+        out_storage = np.take_along_axis(storage, axes, axis=1)[0]
+        out_step = np.ones(len(out_storage), dtype=np.int64)
+        for d in range(len(out_storage) - 2, -1, -1):
+            out_step[d] = out_step[d + 1] * out_storage[d + 1]
+        full_step = np.empty_like(out_step)
+        full_step[arrays.axes[t]] = out_step
+        first = np.array(pieces.offset[p], dtype=np.int64)
+        first[0] = lo - int(seg_low[s])
+        dst_at = int(base[s]) + int(first @ full_step) * unit
+        placed = Transpose(
+            scratch_at,
+            tuple(int(x) for x in saved_shape),
+            tuple(order.index(d) for d in range(len(order))),
+            dst_at,
+            tuple(int(x) * unit for x in full_step),
+            unit,
+        )
+        runs = Runs(
+            np.full(count, pieces.file[p], dtype=np.int64),
+            src.astype(np.int64),
+            dst,
+            np.full(count, run_units * unit, dtype=np.int64),
+            np.full(count, pieces.holder[p], dtype=np.int64),
+            (placed,),
+            count * run_units * unit,
+        )
+        parts.append(runs)
+        scratch_at += count * run_units * unit
+    return Runs.concat(parts)
 
 
 def _prefixed_runs(layout: Layout, part: Part, block: Block, index: int) -> Runs:
@@ -293,10 +434,14 @@ def _prefixed_runs(layout: Layout, part: Part, block: Block, index: int) -> Runs
     n = len(chosen)
     if not n:
         return Runs.concat([])
-    # Linear index of the prefix inside each piece's own box (C order), in units.
-    inner = np.ones((n, chosen.width + 1), dtype=np.int64)
-    inner[:, :-1] = np.cumprod(chosen.shape[:, ::-1], axis=1)[:, ::-1]
-    local = ((prefix - chosen.offset[:, :level]) * inner[:, 1 : level + 1]).sum(axis=1)
+    steps = chosen.strides()
+    if chosen.stride is not None and (dense_from(chosen.shape, steps) == chosen.width).any():
+        raise InputError(
+            f"tensor {tensor.name!r}: one row is larger than a block and holds pieces saved transposed: "
+            "give a --buffer-size of at least five of its rows"
+        )
+    # Where the prefix starts inside each piece's own box, in units.
+    local = ((prefix - chosen.offset[:, :level]) * steps[:, :level]).sum(axis=1)
     begin = chosen.begin + local * tensor.source_unit
     storage = np.tile(np.array(tensor.storage[level:], dtype=np.int64), (n, 1))
     low = np.maximum(chosen.offset[:, level], segment.row_begin)
@@ -313,6 +458,9 @@ def _prefixed_runs(layout: Layout, part: Part, block: Block, index: int) -> Runs
         np.full(n, segment.row_begin, dtype=np.int64),
         np.full(n, base, dtype=np.int64),
         chosen.holder.astype(np.int64),
+        None,
+        None,
+        None if chosen.stride is None else steps[:, level:],
     )
 
 
@@ -330,13 +478,15 @@ def _runs(
     holder: np.ndarray,
     innermost: np.ndarray | None = None,
     axes: np.ndarray | None = None,
+    strides: np.ndarray | None = None,
 ) -> Runs:
     """Runs of pieces (one row each) restricted to rows ``[low, high)`` of dimension 0.
 
     Dimensions after the innermost one a piece does not span in full are contiguous in both the
     piece and the output: one run per index of the dimensions between 0 and that one. With
     ``axes`` (output dim k is storage dim ``axes[:, k]``), a storage dim's step in the output is
-    that of its place in the output's order.
+    that of its place in the output's order. ``strides`` are the pieces' own (views torch saved), else
+    row-major in their box.
     """
     width = storage.shape[1]
     if innermost is None:
@@ -348,6 +498,8 @@ def _runs(
     for d in range(width - 2, -1, -1):
         piece_step[:, d] = piece_step[:, d + 1] * shape[:, d + 1]
         full_step[:, d] = full_step[:, d + 1] * out_storage[:, d + 1]
+    if strides is not None:
+        piece_step = strides
     if axes is not None:  # the output's steps, re-indexed by storage dim
         by_storage = np.empty_like(full_step)
         np.put_along_axis(by_storage, axes, full_step, axis=1)
@@ -507,9 +659,13 @@ class Assembler:
         assert runs is not None
         return runs
 
-    def target(self, block: Block, output: np.ndarray) -> np.ndarray:
-        """Where the block's runs are placed: ``output`` itself, or the assembly buffer when converting."""
-        return output if not self.converting else self._grow("assembled", block.source_size)
+    def target(self, block: Block, output: np.ndarray, runs: Runs | None = None) -> np.ndarray:
+        """Where the block's runs are placed: ``output`` itself, or the assembly buffer when converting
+        or when transposed views need scratch past the block."""
+        scratch = 0 if runs is None else runs.scratch
+        if not self.converting and not scratch:
+            return output
+        return self._grow("assembled", block.source_size + scratch)
 
     def fill(self, runs: Runs, target: np.ndarray) -> None:
         """Read the runs' shard bytes (coalesced) and place them in ``target``."""
@@ -521,17 +677,23 @@ class Assembler:
             self.read(f, s, source[p : p + n].data)
         place(source, positions, target, runs)
 
-    def finish(self, block: Block, target: np.ndarray, output: np.ndarray) -> np.ndarray:
-        """The block's output bytes (converted from ``target`` when converting)."""
+    def finish(self, block: Block, target: np.ndarray, output: np.ndarray, runs: Runs | None = None) -> np.ndarray:
+        """The block's output bytes (transposed views moved in, converted from ``target`` when converting)."""
+        if runs is not None and runs.transposes:
+            for placed in runs.transposes:
+                _place_transposed(target, placed)
+            if not self.converting:
+                output[: block.size] = target[: block.size]
         if self.converting:
             self._convert(block, target, output)
         return output[: block.size]
 
     def assemble(self, block: Block, output: np.ndarray, runs: Runs | None = None) -> np.ndarray:
         """The block's output bytes in ``output[:block.size]``."""
-        target = self.target(block, output)
-        self.fill(self.runs(block) if runs is None else runs, target)
-        return self.finish(block, target, output)
+        runs = self.runs(block) if runs is None else runs
+        target = self.target(block, output, runs)
+        self.fill(runs, target)
+        return self.finish(block, target, output, runs)
 
     def _grow(self, name: str, size: int) -> np.ndarray:
         buffer: np.ndarray = getattr(self, name)
@@ -553,6 +715,21 @@ class Assembler:
                 target[:] = source
             position_in += size_in
             position_out += size_out
+
+
+_UNIT_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _place_transposed(buffer: np.ndarray, placed: Transpose) -> None:
+    """One numpy copy: the saved-order box in scratch, transposed, into its strided place in the block."""
+    kind = _UNIT_TYPES[placed.unit]
+    count = math.prod(placed.saved_shape)
+    source = buffer[placed.scratch : placed.scratch + count * placed.unit].view(kind).reshape(placed.saved_shape)
+    shape = tuple(placed.saved_shape[a] for a in placed.axes)
+    span = sum((n - 1) * step for n, step in zip(shape, placed.dst_strides)) + placed.unit
+    region = buffer[placed.dst : placed.dst + span].view(kind)
+    view = np.lib.stride_tricks.as_strided(region, shape=shape, strides=placed.dst_strides, writeable=True)
+    np.copyto(view, source.transpose(placed.axes))
 
 
 def block_budget(buffer_size: int, slots: int) -> int:

@@ -87,7 +87,12 @@ def _repeats(
 
 
 def _replicas(copies: Pieces, group: np.ndarray, layout: Layout) -> Replicas:
+    """Every copy of a replicated box, to hash. Groups with a copy torch saved as a view (its bytes in
+    another order) are left unhashed: hashing saved bytes would call a transposed copy divergent."""
     nbytes = np.prod(copies.shape, axis=1) * layout.arrays.source_unit[copies.tensor]
+    if copies.stride is not None:
+        views = np.unique(group[~copies.dense()])
+        nbytes = np.where(np.isin(group, views), 0, nbytes)
     return Replicas(
         group=group.astype(np.int64),
         file=copies.file,

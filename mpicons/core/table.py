@@ -54,6 +54,9 @@ class Pieces:
     offset: np.ndarray  # int64[P, D]
     begin: np.ndarray  # int64[P], absolute byte offset in its file
     holder: np.ndarray  # int32[P]
+    #: int64[P, D]: storage units between neighbours along each dim, for pieces torch saved as a view
+    #: (a transposed or sliced tensor: ``.distcp`` only); None when every piece is row-major.
+    stride: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.tensor)
@@ -63,7 +66,18 @@ class Pieces:
         return int(self.shape.shape[1])
 
     def take(self, index: np.ndarray | slice) -> Pieces:
-        return Pieces(*(getattr(self, f.name)[index] for f in fields(self)))
+        columns = {f.name: getattr(self, f.name)[index] for f in fields(self) if f.name != "stride"}
+        return Pieces(**columns, stride=None if self.stride is None else self.stride[index])
+
+    def strides(self) -> np.ndarray:
+        """Every piece's strides (row-major ones computed where none were saved)."""
+        return dense_strides(self.shape) if self.stride is None else self.stride
+
+    def dense(self) -> np.ndarray:
+        """bool[P]: the piece is row-major (what every reader but a view's assumes)."""
+        if self.stride is None:
+            return np.ones(len(self), dtype=bool)
+        return np.all((self.stride == dense_strides(self.shape)) | (self.shape <= 1), axis=1)
 
     def widened(self, width: int) -> Pieces:
         """The same pieces padded to ``width`` dimensions."""
@@ -73,7 +87,11 @@ class Pieces:
         offset = np.zeros((len(self), width), dtype=np.int64)
         shape[:, : self.width] = self.shape
         offset[:, : self.width] = self.offset
-        return Pieces(self.tensor, self.file, self.dtype, self.ndim, shape, offset, self.begin, self.holder)
+        stride = None
+        if self.stride is not None:  # a size-1 trailing dim of stride 1 keeps the layout
+            stride = np.ones((len(self), width), dtype=np.int64)
+            stride[:, : self.width] = self.stride
+        return Pieces(self.tensor, self.file, self.dtype, self.ndim, shape, offset, self.begin, self.holder, stride)
 
     @classmethod
     def empty(cls, width: int = 1) -> Pieces:
@@ -92,12 +110,15 @@ class Pieces:
     def concat(cls, parts: Sequence[Pieces], width: int | None = None) -> Pieces:
         width = max([width or 1] + [p.width for p in parts])
         parts = [p.widened(width) for p in parts if len(p)] or [cls.empty(width)]
-        return cls(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls)))
+        strided = any(p.stride is not None for p in parts)
+        columns = {f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(cls) if f.name != "stride"}
+        return cls(**columns, stride=np.concatenate([p.strides() for p in parts]) if strided else None)
 
     # -- fixed-size records, for moving pieces between ranks in one message
 
     @staticmethod
-    def record_dtype(width: int) -> np.dtype:
+    def record_dtype(width: int, strided: bool = False) -> np.dtype:
+        """One piece as a record; ``strided`` adds its strides (every rank must agree on it)."""
         return np.dtype(
             [
                 ("tensor", "<i4"),
@@ -109,14 +130,17 @@ class Pieces:
                 ("shape", "<i8", (width,)),
                 ("offset", "<i8", (width,)),
             ]
+            + ([("stride", "<i8", (width,))] if strided else [])
         )
 
-    def to_records(self, index: np.ndarray | None = None) -> np.ndarray:
-        """The pieces (or those at ``index``) as one record array, built in place (no intermediate copy)."""
+    def to_records(self, index: np.ndarray | None = None, strided: bool | None = None) -> np.ndarray:
+        """The pieces (or those at ``index``) as one record array, built in place (no intermediate copy);
+        with strides when ``strided`` (default: when these pieces have them)."""
+        strided = self.stride is not None if strided is None else strided
         count = len(self) if index is None else len(index)
-        records = np.empty(count, dtype=self.record_dtype(self.width))
+        records = np.empty(count, dtype=self.record_dtype(self.width, strided))
         for name in records.dtype.names or ():
-            column = getattr(self, name)
+            column = self.strides() if name == "stride" else getattr(self, name)
             records[name] = column if index is None else column[index]
         return records
 
@@ -133,7 +157,16 @@ class Pieces:
             records["offset"].reshape(len(records), width),
             records["begin"],
             records["holder"],
+            records["stride"].reshape(len(records), width) if "stride" in (records.dtype.names or ()) else None,
         )
+
+
+def dense_strides(shape: np.ndarray) -> np.ndarray:
+    """Row-major strides (in elements) of each row of ``shape`` (int64[P, D])."""
+    strides = np.ones_like(shape)
+    for d in range(shape.shape[1] - 2, -1, -1):
+        strides[:, d] = strides[:, d + 1] * shape[:, d + 1]
+    return strides
 
 
 def shard_files(names: list[str], sizes: Sequence[int], holders: list[np.ndarray] | None) -> ShardFiles:

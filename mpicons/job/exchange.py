@@ -204,13 +204,13 @@ class ExchangeWriter:
             requests.append(self.comm.irecv(message, holder, EXCHANGE_TAG))
             received.append((part_runs, placed, message))
             position += reads.total
-        target = self.assembler.target(block, self._out(block.size))
+        target = self.assembler.target(block, self._out(block.size), runs)
         self._guard(lambda: self.assembler.fill(local, target))
         wait_all(requests)
         if self.error is None:
             for part_runs, placed, message in received:
                 place(message, placed, target, part_runs)
-            data = self.assembler.finish(block, target, self.out)
+            data = self.assembler.finish(block, target, self.out, runs)
             self._guard(lambda: self.sink(block, data))
         self.written += block.size
         self.on_bytes(block.size)

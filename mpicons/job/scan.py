@@ -39,7 +39,7 @@ from ..core.part_builder import build_part, copied_file_problem
 from ..core.parts import Part
 from ..core.problems import Problems
 from ..core.reports import count_of
-from ..core.table import Pieces, ShardFiles, shard_files, to_storage_units
+from ..core.table import Pieces, ShardFiles, dense_strides, shard_files, to_storage_units
 
 #: Largest message per destination in one round of the piece exchange (MPI counts are C ints).
 EXCHANGE_LIMIT = 1 << 29
@@ -243,12 +243,13 @@ def _scan_distcp(
     del table
     mine = exchange(comm, records, destination)
     del records
-    begins, problems = agree(comm, lambda: _locate_items(directory, data_files, tensor_names, mine))
+    begins, problems, strides = agree(comm, lambda: _locate_items(directory, data_files, tensor_names, mine))
     problems = comm.allreduce_object(problems, _first_per_tensor)
     if problems:
         position = {name: t for t, name in enumerate(tensor_names)}
         readable = ~np.isin(mine["tensor"], [position[name] for name in problems])
         mine, begins = mine[readable], begins[readable]
+        strides = None if strides is None else strides[readable]
     pieces = Pieces(
         tensor=mine["tensor"].copy(),
         file=mine["file"].copy(),
@@ -258,6 +259,7 @@ def _scan_distcp(
         offset=mine["offset"].reshape(len(mine), width).copy(),
         begin=begins,
         holder=np.full(len(mine), comm.rank, dtype=np.int32),
+        stride=strides,
     )
     files = _distcp_files(data_files, [sizes[i] for i in listed], data_holders)
     misaligned = to_storage_units(pieces)
@@ -299,11 +301,13 @@ def _unreadable_summary(problems: dict[str, str]) -> str:
 
 def _locate_items(
     directory: str, data_files: list[str], names: list[str], records: np.ndarray
-) -> tuple[np.ndarray, dict[str, str]]:
-    """Where each received piece's bytes begin in its data file (one pass over each file's items), and
-    the first problem of each tensor whose pieces cannot be read."""
+) -> tuple[np.ndarray, dict[str, str], np.ndarray | None]:
+    """Where each received piece's bytes begin in its data file (one pass over each file's items), the
+    first problem of each tensor whose pieces cannot be read, and every piece's strides when some
+    were saved as views (None when all are row-major)."""
     begins = np.zeros(len(records), dtype=np.int64)
     problems: dict[str, str] = {}
+    strides: np.ndarray | None = None
     for f in np.unique(records["file"]):
         at = np.flatnonzero(records["file"] == f)
         items = [
@@ -317,10 +321,16 @@ def _locate_items(
             )
             for r in records[at]
         ]
-        begins[at], found = locate_all(os.path.join(directory, data_files[int(f)]), items)
+        begins[at], found, views = locate_all(os.path.join(directory, data_files[int(f)]), items)
         for problem in found:
             problems.setdefault(problem.tensor, problem.message)
-    return begins, problems
+        if views and strides is None:
+            width = records["shape"].shape[1] if len(records) else 1
+            strides = dense_strides(records["shape"].reshape(len(records), width))
+        for i, stride in views.items():
+            assert strides is not None
+            strides[at[i], : len(stride)] = stride
+    return begins, problems, strides
 
 
 # ---------------------------------------------------------------- choosing tensors
@@ -458,7 +468,8 @@ def distribute(comm: Comm, scanned: Scanned, layout: Layout, problems: Problems 
     by_owner = np.argsort(owner, kind="stable")
     index, owner = index[by_owner], owner[by_owner]
     del by_owner
-    records = scanned.pieces.to_records(index)
+    strided = bool(comm.allreduce(int(scanned.pieces.stride is not None), "max"))  # one record layout everywhere
+    records = scanned.pieces.to_records(index, strided)
     scanned.pieces = Pieces.empty(scanned.pieces.width)  # from here on the parts hold them
     del index
     received = Pieces.from_records(exchange(comm, records, owner, ordered=True))
