@@ -6,6 +6,12 @@ rows over every rank (FSDP), nested rows (colwise TP + FSDP), a 2-D grid (rowwis
 columns over every rank, a 3-D expert tensor cut along its last dim, replicated norms written
 once, and small int/bool buffers with empty pieces. Data is deterministic per tensor name, so
 the expected full tensors can be regenerated at any time (:func:`full_tensor`).
+
+The ``torchtitan`` kind is a llama3 (or, with experts, a qwen3_moe) model under torchtitan's own
+state-dict names, as its checkpoint manager saves it between steps (DCP's default format, FSDP2
+over ``dp`` and TP over ``tp``), optionally with optimizer state, and with the Hugging Face
+config an adapter needs written beside it (:func:`write_hf_assets`); :func:`torchtitan_to_hf` is
+what torchtitan's ``to_hf`` makes of its tensors, so a conversion can be checked.
 """
 
 from __future__ import annotations
@@ -51,12 +57,53 @@ class SampleConfig:
     dtype: str = "BF16"
     seed: int = 0
     #: ``"llama"``: the dense model above; ``"moe"``: many small expert tensors, every one cut by rows
-    #: over all ``dp × tp`` training ranks (FSDP), so pieces are many and small.
+    #: over all ``dp × tp`` training ranks (FSDP), so pieces are many and small; ``"torchtitan"``:
+    #: torchtitan's native names and layouts (llama3, or qwen3_moe when ``experts`` > 0).
     kind: str = "llama"
+    #: torchtitan kind: rows per attention head (``hidden`` is a multiple of it).
+    head_dim: int = 64
+    #: torchtitan kind: key/value heads (0: a quarter of the query heads, at least 1).
+    kv_heads: int = 0
+    #: torchtitan kind: an ``optimizer.state.<parameter>.exp_avg`` beside every parameter.
+    optimizer: bool = False
 
     @property
     def world(self) -> int:
         return self.dp * self.tp
+
+    @property
+    def n_heads(self) -> int:
+        """Query heads of the torchtitan kind."""
+        return self.hidden // self.head_dim
+
+    @property
+    def n_kv_heads(self) -> int:
+        """Key/value heads of the torchtitan kind."""
+        return self.kv_heads or max(1, self.n_heads // 4)
+
+    @classmethod
+    def torchtitan(
+        cls, target_bytes: int, experts: int = 0, layers: int = 8, vocab: int = 16384, head_dim: int = 64, **kwargs: Any
+    ) -> SampleConfig:
+        """A torchtitan-native llama3 (qwen3_moe with ``experts``) of at least ``target_bytes`` of model
+        tensors: ``hidden`` grown by whole groups of heads (4 query heads per key/value head unless
+        ``kv_heads`` says otherwise); FSDP2 over 3 ranks inside TP over 2 by default, so row pieces
+        end inside heads, even inside a rotary pair."""
+        fields: dict[str, Any] = {
+            "layers": layers, "vocab": vocab, "head_dim": head_dim, "experts": experts, "dp": 3, "tp": 2,
+            "files": 1, "dtype": "BF16", "kind": "torchtitan",
+        }  # fmt: skip
+        fields.update(kwargs)
+
+        def sized(hidden: int) -> SampleConfig:
+            ffn = hidden * 8 // 3 // 64 * 64 if not experts else max(64, hidden // 2 // 64 * 64)
+            return cls(**{"hidden": hidden, "intermediate": ffn, **fields})
+
+        step = head_dim * (fields.get("kv_heads") or 4)  # whole groups of query heads per key/value head
+        hidden = step
+        while _model_bytes(sized(hidden)) < target_bytes and hidden < 1 << 16:
+            hidden += step
+        return sized(hidden)
 
     @classmethod
     def moe(cls, target_bytes: int, training_ranks: int = 64, layers: int = 24, hidden: int = 128, **kwargs: Any) -> SampleConfig:
@@ -130,6 +177,19 @@ def _placements(c: SampleConfig) -> dict[str, Callable[[tuple[int, ...], int, in
     def replicated(shape: tuple[int, ...], dp: int, tp: int) -> Box | None:
         return ((0,) * len(shape), shape) if dp == 0 and tp == 0 else None
 
+    def fsdp(shape: tuple[int, ...], dp: int, tp: int) -> Box | None:
+        """FSDP2 rows over ``dp``, replicated over ``tp`` (saved once): norms, routers, any rank."""
+        if tp:
+            return None
+        start, length = _chunk(shape[0], c.dp, dp)
+        return (start,) + (0,) * (len(shape) - 1), (length,) + shape[1:]
+
+    def experts_mid(shape: tuple[int, ...], dp: int, tp: int) -> Box:
+        """Grouped experts [E, F, D] (colwise TP on F): experts over ``dp``, F over ``tp``."""
+        row, rows = _chunk(shape[0], c.dp, dp)
+        mid, mids = _chunk(shape[1], c.tp, tp)
+        return (row, mid, 0), (rows, mids, shape[2])
+
     return {
         "all_rows": all_rows,
         "nested_rows": nested_rows,
@@ -138,6 +198,8 @@ def _placements(c: SampleConfig) -> dict[str, Callable[[tuple[int, ...], int, in
         "experts": experts,
         "norm": norm,
         "replicated": replicated,
+        "fsdp": fsdp,
+        "experts_mid": experts_mid,
     }
 
 
@@ -165,10 +227,81 @@ def _moe_specs(c: SampleConfig) -> list[Spec]:
     return specs
 
 
+#: The training state groups torchtitan saves beside the model (only ``optimizer.*`` holds tensors).
+TORCHTITAN_NON_MODEL = ("optimizer.", "lr_scheduler.", "dataloader.", "train_state.")
+
+
+def _torchtitan_specs(c: SampleConfig) -> list[Spec]:
+    """torchtitan's native state dict: the model keys (split q/k/v, as ``_split_qkv_on_save`` saves
+    them), then with ``optimizer`` an ``exp_avg`` per parameter, keyed as torchtitan keys it (the fused
+    ``qkv_linear.wqkv``; no state for the ``expert_bias_E`` buffer). TP cuts colwise layers by rows and
+    rowwise ones by columns; FSDP2 cuts every parameter by rows within that."""
+    if c.hidden % c.head_dim or c.n_heads % c.n_kv_heads or c.head_dim % 2:
+        raise ValueError(
+            f"torchtitan sample: hidden {c.hidden} must be a multiple of an even head_dim {c.head_dim}, and its "
+            f"{c.n_heads} heads a multiple of {c.n_kv_heads} key/value heads"
+        )
+    hd, kv, f = c.head_dim, c.n_kv_heads * c.head_dim, c.intermediate
+    model: list[Spec] = [("tok_embeddings.weight", c.dtype, (c.vocab, c.hidden), "nested_rows", 1)]
+    params: list[Spec] = list(model)
+    for layer in range(c.layers):
+        p = f"layers.{layer}."
+        qkv = [
+            (p + "attention.qkv_linear.wq.weight", c.dtype, (c.hidden, c.hidden), "nested_rows", 1),
+            (p + "attention.qkv_linear.wk.weight", c.dtype, (kv, c.hidden), "nested_rows", 1),
+            (p + "attention.qkv_linear.wv.weight", c.dtype, (kv, c.hidden), "nested_rows", 1),
+        ]
+        rest: list[Spec] = [(p + "attention.wo.weight", c.dtype, (c.hidden, c.hidden), "grid", 1)]
+        if c.experts:
+            e = c.experts
+            rest += [
+                (p + "attention.q_norm.weight", "F32", (hd,), "fsdp", 1),
+                (p + "attention.k_norm.weight", "F32", (hd,), "fsdp", 1),
+                (p + "moe.router.gate.weight", c.dtype, (e, c.hidden), "fsdp", 1),
+                (p + "moe.routed_experts.inner_experts.w1_EFD", c.dtype, (e, f, c.hidden), "experts_mid", 1),
+                (p + "moe.routed_experts.inner_experts.w2_EDF", c.dtype, (e, c.hidden, f), "experts", 1),
+                (p + "moe.routed_experts.inner_experts.w3_EFD", c.dtype, (e, f, c.hidden), "experts_mid", 1),
+            ]
+        else:
+            rest += [
+                (p + "feed_forward.w1.weight", c.dtype, (f, c.hidden), "nested_rows", 1),
+                (p + "feed_forward.w2.weight", c.dtype, (c.hidden, f), "grid", 1),
+                (p + "feed_forward.w3.weight", c.dtype, (f, c.hidden), "nested_rows", 1),
+            ]
+        norms: list[Spec] = [
+            (p + "attention_norm.weight", "F32", (c.hidden,), "fsdp", 1),
+            (p + "ffn_norm.weight", "F32", (c.hidden,), "fsdp", 1),
+        ]
+        buffers: list[Spec] = [(p + "moe.expert_bias_E", "F32", (c.experts,), "replicated", 1)] if c.experts else []
+        model += qkv + rest + norms + buffers
+        fused = (p + "attention.qkv_linear.wqkv.weight", c.dtype, (c.hidden + 2 * kv, c.hidden), "nested_rows", 1)
+        params += [fused, *rest, *norms]
+    tail: list[Spec] = [
+        ("norm.weight", "F32", (c.hidden,), "fsdp", 1),
+        ("lm_head.weight", c.dtype, (c.vocab, c.hidden), "nested_rows", 1),
+    ]
+    model += tail
+    params += tail
+    if not c.optimizer:
+        return model
+    return model + [(f"optimizer.state.{name}.exp_avg", dtype, shape, cut, 1) for name, dtype, shape, cut, _ in params]
+
+
+def _model_bytes(c: SampleConfig) -> int:
+    """Bytes of the model tensors (optimizer state aside)."""
+    return sum(
+        int(np.prod(shape, dtype=np.int64)) * DTYPE_BY_NAME[dtype].bits // 8
+        for name, dtype, shape, _, _ in tensor_specs(c)
+        if not name.startswith(TORCHTITAN_NON_MODEL)
+    )
+
+
 def tensor_specs(c: SampleConfig) -> list[Spec]:
     """(name, dtype, full shape, placement, output file index from 1) for every tensor of the sample."""
     if c.kind == "moe":
         return _moe_specs(c)
+    if c.kind == "torchtitan":
+        return _torchtitan_specs(c)
     specs: list[Spec] = [("model.embed_tokens.weight", c.dtype, (c.vocab, c.hidden), "all_rows", 1)]
     for layer in range(c.layers):
         index = 1 + layer * c.files // c.layers
@@ -251,6 +384,7 @@ def write_sample(
     comm: object | None = None,
     keep: Callable[[str, str], bool] | None = None,
     distcp: str | None = None,
+    assets_dir: str | os.PathLike[str] | None = None,
 ) -> list[str]:
     """Write the sample sharded checkpoint into ``directory`` (split over ``comm`` if given).
 
@@ -262,11 +396,23 @@ def write_sample(
         distcp: None for DCP's Hugging Face layout (``shard-RRRRR-model-IIIII-of-NNNNN.safetensors``);
             ``"torch_save"`` or ``"safetensors"`` for DCP's default format with that serialization
             (``.metadata`` and one ``__R_0.distcp`` per training rank, plus a non-tensor entry).
+            The torchtitan kind is only ever saved in the default format: None means ``"torch_save"``.
+        assets_dir: torchtitan kind only: also write the Hugging Face files an adapter needs here
+            (:func:`write_hf_assets`); beside the checkpoint, never inside it (DCP's directory holds
+            only what DCP writes).
 
-    Returns the names of the files written.
+    Returns the names of the files written into ``directory``.
     """
     c = config or SampleConfig()
     directory = os.fspath(directory)
+    if c.kind == "torchtitan" and distcp is None:
+        distcp = "torch_save"
+    if assets_dir is not None:
+        if c.kind != "torchtitan":
+            raise ValueError(f"assets_dir is for the torchtitan kind, not {c.kind!r}")
+        inside = os.path.relpath(os.path.abspath(assets_dir), os.path.abspath(directory))
+        if inside == os.curdir or not inside.startswith(os.pardir):
+            raise ValueError(f"assets_dir {os.fspath(assets_dir)!r} must lie beside the checkpoint {directory!r}, not in it")
     comm = as_communicator(comm) if comm is not None else None
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     chosen = keep or (lambda name, dtype: True)
@@ -293,12 +439,27 @@ def write_sample(
             write_metadata()
         else:
             agree_on(comm, 0, write_metadata)
+    if assets_dir is not None:
+        target = assets_dir
+        if comm is None:
+            write_hf_assets(target, c)
+        else:
+            agree_on(comm, 0, lambda: write_hf_assets(target, c))
     return sorted(n for n in os.listdir(directory) if n.startswith(("shard-", "__", ".metadata")))
 
 
 # ---------------------------------------------------------------- DCP's default format
 
 NON_TENSOR_ENTRY = "train.step"
+#: torchtitan's own name for it (its ``train_state`` group).
+TORCHTITAN_NON_TENSOR_ENTRY = "train_state.step"
+
+
+def non_tensor_entry(c: SampleConfig) -> str:
+    """The name of the sample's one non-tensor (bytes) entry."""
+    return TORCHTITAN_NON_TENSOR_ENTRY if c.kind == "torchtitan" else NON_TENSOR_ENTRY
+
+
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _LEGACY_STORAGE = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
 
@@ -355,7 +516,7 @@ def _write_distcp_ranks(
     try:
         if 0 in handles:  # non-tensor items come first, as torch writes them
             archive = _archive(dumps(1000), None)
-            items[(NON_TENSOR_ENTRY, None)] = (names[0], 0, len(archive), ())
+            items[(non_tensor_entry(c), None)] = (names[0], 0, len(archive), ())
             handles[0].write(archive)
         for name, dtype, shape, placement, _ in tensor_specs(c):
             if not keep(name, dtype):
@@ -424,8 +585,8 @@ def _metadata_pickle(
         properties = Obj(cls("TensorProperties"), (torch_dtype, layout, False, memory, False))
         entries[name] = Obj(cls("TensorStorageMetadata"), {"properties": properties, "size": _size(shape), "chunks": boxes})
         planner[name] = (name,)
-    entries[NON_TENSOR_ENTRY] = Obj(cls("BytesStorageMetadata"))
-    planner[NON_TENSOR_ENTRY] = (NON_TENSOR_ENTRY,)
+    entries[non_tensor_entry(c)] = Obj(cls("BytesStorageMetadata"))
+    planner[non_tensor_entry(c)] = (non_tensor_entry(c),)
     for (name, chunk), (file, offset, length, _) in sorted(items.items(), key=lambda kv: (kv[0][0], kv[0][1] or ())):
         key = Obj(cls("MetadataIndex"), {"fqn": name, "offset": None if chunk is None else _size(chunk), "index": 0})
         info = Obj(
@@ -452,9 +613,140 @@ def expected_mapping(c: SampleConfig) -> dict[str, str]:
     return {name: output_name(index, c.files) for name, _, _, _, index in tensor_specs(c)}
 
 
+# ---------------------------------------------------------------- torchtitan: HF assets and to_hf
+
+
+def hf_config(c: SampleConfig) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` of the torchtitan kind: LlamaForCausalLM, or Qwen3MoeForCausalLM
+    (every layer sparse) with experts; head counts and ``head_dim`` are what the q/k permutation needs."""
+    if c.kind != "torchtitan":
+        raise ValueError(f"hf_config is for the torchtitan kind, not {c.kind!r}")
+    config: dict[str, Any] = {
+        "architectures": ["Qwen3MoeForCausalLM" if c.experts else "LlamaForCausalLM"],
+        "model_type": "qwen3_moe" if c.experts else "llama",
+        "hidden_size": c.hidden,
+        "intermediate_size": c.intermediate,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "num_hidden_layers": c.layers,
+        "vocab_size": c.vocab,
+        "hidden_act": "silu",
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6 if c.experts else 1e-5,
+        "rope_theta": 1000000.0 if c.experts else 500000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": str(DTYPE_BY_NAME[c.dtype].torch),
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    }
+    if c.experts:
+        config.update(
+            num_experts=c.experts,
+            num_experts_per_tok=min(2, c.experts),
+            moe_intermediate_size=c.intermediate,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        )
+    return config
+
+
+def write_hf_assets(directory: str | os.PathLike[str], c: SampleConfig) -> list[str]:
+    """The Hugging Face files a user keeps beside a torchtitan run (its ``hf_assets_path``): ``config.json``
+    and a small ``tokenizer_config.json``; no weights, no index (Hugging Face's default sharding applies)."""
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    files = {
+        "config.json": hf_config(c),
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|end_of_text|>",
+            "model_max_length": 8192,
+        },
+    }
+    for name, content in files.items():
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as handle:
+            json.dump(content, handle, indent=2)
+            handle.write("\n")
+    return sorted(files)
+
+
+_COMMON_RENAMES = {
+    "tok_embeddings.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "attention.qkv_linear.wq.weight": "self_attn.q_proj.weight",
+    "attention.qkv_linear.wk.weight": "self_attn.k_proj.weight",
+    "attention.qkv_linear.wv.weight": "self_attn.v_proj.weight",
+    "attention.q_norm.weight": "self_attn.q_norm.weight",
+    "attention.k_norm.weight": "self_attn.k_norm.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "moe.router.gate.weight": "mlp.gate.weight",
+}
+_EXPERTS = {
+    "moe.routed_experts.inner_experts.w1_EFD": "gate_proj",
+    "moe.routed_experts.inner_experts.w3_EFD": "up_proj",
+    "moe.routed_experts.inner_experts.w2_EDF": "down_proj",
+}
+
+
+def _rope_to_half(weight: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """torchtitan's interleaved q/k rows to Hugging Face's halves: HF row h·hd + j·hd/2 + i is row h·hd + 2i + j."""
+    rows = weight.reshape(heads, head_dim // 2, 2, *weight.shape[1:])
+    return np.ascontiguousarray(rows.swapaxes(1, 2)).reshape(weight.shape)
+
+
+def torchtitan_to_hf(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """What torchtitan's ``to_hf`` makes of a whole native state dict, for llama and qwen3/qwen3_moe
+    (``config`` is the Hugging Face config): renames, llama's q/k permutation, grouped experts one
+    tensor per expert; ``expert_bias_E`` and a tied ``lm_head`` dropped; training state left out.
+
+    Whole tensors in memory: for checking a conversion of samples and fixtures, not for converting.
+    Raises ValueError on a model key it does not know.
+    """
+    family = config["model_type"]
+    if family not in ("llama", "qwen3", "qwen3_moe"):
+        raise ValueError(f"torchtitan_to_hf: model_type {family!r} (llama, qwen3, qwen3_moe)")
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    out: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        if name.startswith(TORCHTITAN_NON_MODEL):
+            continue
+        layer, _, rest = name.partition(".")[2].partition(".") if name.startswith("layers.") else ("", "", name)
+        prefix = f"model.layers.{layer}." if layer else ""
+        if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+            continue
+        if layer and rest == "moe.expert_bias_E" and family.startswith("qwen3"):
+            continue
+        if layer and rest in _EXPERTS:
+            for e in range(value.shape[0]):
+                out[f"{prefix}mlp.experts.{e}.{_EXPERTS[rest]}.weight"] = np.ascontiguousarray(value[e])
+            continue
+        top_level = rest in ("tok_embeddings.weight", "norm.weight", "lm_head.weight")
+        target = _COMMON_RENAMES.get(rest) if top_level != bool(layer) and (not layer or layer.isdigit()) else None
+        if target is None:
+            raise ValueError(f"torchtitan_to_hf: unknown key {name!r}")
+        if family == "llama" and rest.endswith(("wq.weight", "wk.weight")):
+            value = _rope_to_half(value, heads if rest.endswith("wq.weight") else kv_heads, head_dim)
+        out[prefix + target] = value
+    return out
+
+
 def check_sample(output_dir: str | os.PathLike[str], config: SampleConfig, comm: object | None = None) -> int:
     """Compare every tensor of a consolidated sample with its generated full value (split over ``comm``);
-    returns how many tensors were compared, or raises InputError naming the first that differs."""
+    returns how many tensors were compared, or raises InputError naming the first that differs.
+
+    For the torchtitan kind this checks a *plain* consolidation (torchtitan's names, its row order);
+    an adapter's output holds other names and rows, which this does not check: compare it with
+    :func:`torchtitan_to_hf` of the full tensors instead."""
     from ..core.errors import InputError
     from ..core.format import Header, read_header
 
