@@ -807,3 +807,72 @@ def test_the_command_line_lists_the_strided_tensors_in_one_line(tmp_path: Path) 
     proc, _ = cli(1, "consolidate", checkpoint, tmp_path / "out")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1 and "--exclude" in proc.stderr and "b.weight" in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------- tensors with no elements: any strides
+
+
+def _checkpoint_of(tmp_path: Path, tensors: dict[str, tuple[tuple[int, ...], tuple[int, ...], np.ndarray]]) -> Path:
+    """One data file of F32 tensors, each one ``torch.save`` item of ``(shape, strides, storage values)``,
+    each tensor one chunk at offset 0 (the items written by the sample's own archive writer)."""
+    from mpicons.frontends.sample import _archive, _tensor_pickle
+
+    module = "torch.distributed.checkpoint.metadata"
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+
+    def size(dims: tuple[int, ...]) -> Call:
+        return Call(Global("torch", "Size"), (dims,))
+
+    entries, storage, data = {}, {}, b""
+    for name, (shape, stride, values) in tensors.items():
+        item = _archive(_tensor_pickle("F32", shape, stride, values.size), values.astype("<f4").tobytes())
+        properties = Obj(Global(module, "TensorProperties"), (Global("torch", "float32"), "torch.strided", False, 0, False))
+        zero = size((0,) * len(shape))
+        box = Obj(Global(module, "ChunkStorageMetadata"), {"offsets": zero, "sizes": size(shape)})
+        entries[name] = Obj(
+            Global(module, "TensorStorageMetadata"), {"properties": properties, "size": size(shape), "chunks": [box]}
+        )
+        key = Obj(Global(module, "MetadataIndex"), {"fqn": name, "offset": zero, "index": 0})
+        where = {"relative_path": "__0_0.distcp", "offset": len(data), "length": len(item)}
+        storage[key] = Obj(Global("torch.distributed.checkpoint.filesystem", "_StorageInfo"), where)
+        data += item
+    (checkpoint / "__0_0.distcp").write_bytes(data)
+    (checkpoint / ".metadata").write_bytes(
+        dumps(Obj(Global(module, "Metadata"), {"state_dict_metadata": entries, "storage_data": storage}))
+    )
+    return checkpoint
+
+
+@pytest.mark.parametrize(
+    "shape, stride",
+    [((4, 0), (1, 1)), ((0, 5), (1, 1)), ((4, 0), (1, 4)), ((2, 0, 3), (9, 9, 9)), ((0,), (7,))],
+    ids=["(4, 0) strides [1, 1]", "(0, 5) strides [1, 1]", "(4, 0) transposed", "(2, 0, 3) strides [9, 9, 9]", "(0,)"],
+)
+def test_a_tensor_with_no_elements_is_read_whatever_its_strides(
+    tmp_path: Path, shape: tuple[int, ...], stride: tuple[int, ...]
+) -> None:
+    """torch saves a zero-size tensor with the strides it had (``(4, 0)`` with ``[1, 1]``): they mean nothing
+    without elements. The output is what safetensors writes for the same tensors, beside a plain one."""
+    weight = np.arange(12, dtype=np.float32).reshape(4, 3)
+    checkpoint = _checkpoint_of(
+        tmp_path, {"empty": (shape, stride, np.zeros(0, np.float32)), "weight": ((4, 3), (3, 1), weight.ravel())}
+    )
+    report = mpicons.inspect(checkpoint, comm=MPI.COMM_SELF)
+    assert report.ok, report.problems
+    out = tmp_path / "out"
+    mpicons.consolidate(checkpoint, out, comm=MPI.COMM_SELF, sync=False)
+    save_file(
+        {"empty": np.zeros(shape, np.float32), "weight": weight}, tmp_path / "expected.safetensors", metadata={"format": "pt"}
+    )
+    assert (out / "model.safetensors").read_bytes() == (tmp_path / "expected.safetensors").read_bytes()
+    proc, _ = cli(2, "verify", out, "--against", checkpoint)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_a_tensor_with_elements_still_needs_strides_that_fit_its_storage(tmp_path: Path) -> None:
+    """Control for the case above: strides [1, 1] on a (4, 2) tensor with elements make them overlap."""
+    checkpoint = _checkpoint_of(tmp_path, {"w": ((4, 2), (1, 1), np.zeros(5, np.float32))})
+    with pytest.raises(InputError) as error:
+        mpicons.consolidate(checkpoint, tmp_path / "out", comm=MPI.COMM_SELF)
+    assert "'w'" in str(error.value) and "strides [1, 1]" in str(error.value), str(error.value)

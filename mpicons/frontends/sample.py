@@ -468,14 +468,19 @@ def _size(dims: tuple[int, ...]) -> Call:
     return Call(Global("torch", "Size"), (tuple(int(d) for d in dims),))
 
 
-def _tensor_pickle(dtype: str, shape: tuple[int, ...]) -> bytes:
-    """``data.pkl`` of ``torch.save`` of a contiguous tensor: legacy typed storages where torch uses them."""
-    strides, step = [], 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= dim
-    stride = tuple(reversed(strides))
-    numel = int(np.prod(shape, dtype=np.int64))
+def _tensor_pickle(dtype: str, shape: tuple[int, ...], stride: tuple[int, ...] | None = None, numel: int | None = None) -> bytes:
+    """``data.pkl`` of ``torch.save`` of a tensor: legacy typed storages where torch uses them.
+
+    ``stride`` (default: row-major) and ``numel``, the storage's elements (default: the tensor's), write
+    what torch writes for views, e.g. a tensor with no elements keeps the strides it had."""
+    if stride is None:
+        strides, step = [], 1
+        for dim in reversed(shape):
+            strides.append(step)
+            step *= dim
+        stride = tuple(reversed(strides))
+    if numel is None:
+        numel = int(np.prod(shape, dtype=np.int64))
     hooks = Call(Global("collections", "OrderedDict"))
     legacy = _LEGACY_STORAGE.get(dtype)
     if legacy is not None:
