@@ -745,9 +745,15 @@ def torchtitan_to_hf(tensors: dict[str, np.ndarray], config: dict[str, Any]) -> 
     return out
 
 
-def check_sample(output_dir: str | os.PathLike[str], config: SampleConfig, comm: object | None = None) -> int:
+def check_sample(
+    output_dir: str | os.PathLike[str],
+    config: SampleConfig,
+    comm: object | None = None,
+    keep: Callable[[str, str], bool] | None = None,
+) -> int:
     """Compare every tensor of a consolidated sample with its generated full value (split over ``comm``);
     returns how many tensors were compared, or raises InputError naming the first that differs.
+    ``keep(name, dtype)``: only those tensors (a consolidation that left the others out).
 
     For the torchtitan kind this checks a *plain* consolidation (torchtitan's names, its row order);
     an adapter's output holds other names and rows, which this does not check: compare it with
@@ -755,7 +761,7 @@ def check_sample(output_dir: str | os.PathLike[str], config: SampleConfig, comm:
     from ..core.errors import InputError
     from ..core.format import Header, read_header
 
-    specs = tensor_specs(config)
+    specs = [s for s in tensor_specs(config) if keep is None or keep(s[0], s[1])]
     directory = os.fspath(output_dir)
     comm = as_communicator(comm)
 
