@@ -273,6 +273,16 @@ def test_a_data_file_no_rank_sees_is_named(tmp_path: Path) -> None:
     assert "names data file '__1_0.distcp', which no rank sees" in proc.stderr
 
 
+def test_inspect_lists_the_tensors_of_a_data_file_no_rank_sees_and_describes_the_rest(tmp_path: Path) -> None:
+    checkpoint = copy_fixture("fsdp-3ranks", tmp_path)
+    (checkpoint / "__1_0.distcp").unlink()
+    report = mpicons.inspect(checkpoint, comm=MPI.COMM_SELF)
+    assert not report.ok and report.problems
+    assert all("'__1_0.distcp', which no rank sees" in p.what and p.tensor and repr(p.tensor) in p.what for p in report.problems)
+    assert len({p.tensor for p in report.problems}) == len(report.problems)  # one line per tensor
+    assert {s.name for s in report.shards} == {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
+
+
 def test_non_tensor_entries_are_skipped_and_listed(tmp_path: Path) -> None:
     fixture = "tp2d-4ranks-optim"
     proc, _ = cli(1, "consolidate", DISTCP_FIXTURES / fixture / "dcp", tmp_path / "out")

@@ -202,13 +202,33 @@ def _item_records(width: int) -> np.dtype:
     )
 
 
-def _read_distcp_metadata(directory: str, listed: list[str]) -> DistcpTable:
+def _missing_file_message(directory: str, name: str) -> str:
+    return f"{os.path.join(directory, METADATA_NAME)}: names data file {name!r}, which no rank sees"
+
+
+def _read_distcp_metadata(directory: str, listed: list[str], listing: bool = False) -> DistcpTable:
+    """``.metadata`` read; a data file it names that no rank sees is bad input, unless ``listing``
+    (``inspect``: the tensors with pieces there are listed as unreadable, the rest described)."""
     table = read_metadata(os.path.join(directory, METADATA_NAME))
     present = set(listed)
     for name in table.files:
-        if name not in present:
-            raise InputError(f"{os.path.join(directory, METADATA_NAME)}: names data file {name!r}, which no rank sees")
+        if name not in present and not listing:
+            raise InputError(_missing_file_message(directory, name))
     return table
+
+
+def _missing_files(table: DistcpTable, directory: str, listed: list[str]) -> dict[str, str]:
+    """Per tensor with a piece in a data file no rank sees, that problem (the first such file)."""
+    present = set(listed)
+    missing = [f for f, name in enumerate(table.files) if name not in present]
+    problems: dict[str, str] = {}
+    if not missing:
+        return problems
+    for t, f in zip(table.tensor[np.isin(table.file, missing)].tolist(), table.file[np.isin(table.file, missing)].tolist()):
+        problems.setdefault(
+            table.names[t], f"{_missing_file_message(directory, table.files[f])} (tensor {table.names[t]!r} has pieces there)"
+        )
+    return problems
 
 
 def _scan_distcp(
@@ -224,14 +244,18 @@ def _scan_distcp(
     directory = rank_directory(input_dir, comm.rank)
     meta = names.index(METADATA_NAME)
     owner = 0 if holders is None else int(holders[meta][0])
-    table = agree(comm, lambda: _read_distcp_metadata(directory, names) if comm.rank == owner else None)
+    table = agree(comm, lambda: _read_distcp_metadata(directory, names, listing) if comm.rank == owner else None)
+    missing = {} if table is None else _missing_files(table, directory, names)
     tensors: Any = comm.bcast(
-        None if table is None else (table.names, table.order, table.dtype, table.size, table.ndim, table.skipped, table.files),
+        None
+        if table is None
+        else (table.names, table.order, table.dtype, table.size, table.ndim, table.skipped, table.files, missing),
         root=owner,
     )
-    tensor_names, order, dtype, size, ndim, skipped, data_files = tensors
-    listed = [names.index(f) for f in data_files]
-    data_holders = None if holders is None else [holders[i] for i in listed]
+    tensor_names, order, dtype, size, ndim, skipped, data_files, missing = tensors
+    # A data file no rank sees (inspect only) is read by nobody: its records are dropped below.
+    listed = [names.index(f) if f in names else -1 for f in data_files]
+    data_holders = None if holders is None else [holders[i] if i >= 0 else np.array([owner]) for i in listed]
     readers = assign_readers(data_holders, len(data_files), comm.size)
     width = size.shape[1]
     records = np.empty(0 if table is None else len(table.tensor), dtype=_item_records(width))
@@ -239,12 +263,16 @@ def _scan_distcp(
         for column in ("tensor", "file", "item_offset", "item_length", "shape", "offset"):
             records[column] = getattr(table, column)
         records["dtype"], records["ndim"] = table.dtype[table.tensor], table.ndim[table.tensor]
+        absent = [f for f, i in enumerate(listed) if i < 0]
+        if absent:
+            records = records[~np.isin(records["file"], absent)]
     destination = readers[records["file"]] if len(records) else np.zeros(0, dtype=np.int32)
     del table
     mine = exchange(comm, records, destination)
     del records
     begins, problems, strides = agree(comm, lambda: _locate_items(directory, data_files, tensor_names, mine))
     problems = comm.allreduce_object(problems, _first_per_tensor)
+    problems = {**problems, **{name: message for name, message in missing.items() if name not in problems}}
     if problems:
         position = {name: t for t, name in enumerate(tensor_names)}
         readable = ~np.isin(mine["tensor"], [position[name] for name in problems])
@@ -261,7 +289,7 @@ def _scan_distcp(
         holder=np.full(len(mine), comm.rank, dtype=np.int32),
         stride=strides,
     )
-    files = _distcp_files(data_files, [sizes[i] for i in listed], data_holders)
+    files = _distcp_files(data_files, [sizes[i] if i >= 0 else 0 for i in listed], data_holders)
     misaligned = to_storage_units(pieces)
     facts = reduce_facts(comm, pieces, len(tensor_names), width, piece_destinations(files), misaligned)
     never = np.flatnonzero(facts.count == 0)  # tensors with no stored piece: the metadata's dtype and rank
