@@ -14,6 +14,7 @@ import importlib.util
 import json
 import re
 import shutil
+import struct
 import subprocess
 import sys
 from collections.abc import Callable
@@ -394,3 +395,51 @@ def test_bf16_keeps_the_norms_in_f32(case: str, tmp_path: Path) -> None:
         for name in names:
             assert got[name] == expected[name], f"{file_name}: {name}"
         assert (out / file_name).read_bytes() == reference_bytes({n: expected[n] for n in names}), file_name
+
+
+# ---------------------------------------------------------------- inspect and verify through the adapter
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_inspect_shows_the_mapping_without_writing(case: str, tmp_path: Path) -> None:
+    """Every saved tensor has one row: its Hugging Face names (those of to_hf), transform, rule line, fate."""
+    report = mpicons.inspect(TITAN / case / "native", adapter="torchtitan", hf_assets=assets(case), comm=SingleProcess())
+    assert report.ok, report.problems
+    rows = {row.source: row for row in report.mapping_rows}
+    written = {name for row in rows.values() if row.fate == "written" for name in row.targets}
+    assert written == set(reference(case)) == {t.name for t in report.tensors}
+    assert {row.source for row in rows.values() if row.fate == "skipped"} == {
+        name for name in rows if name.startswith("optimizer.")
+    }
+    dropped = sorted(name for name, row in rows.items() if row.fate == "dropped")
+    assert dropped == sorted(p.replace("{N}", str(n)) for p in DROPPED[case] for n in range(len(dropped)))
+    q = next(row for name, row in rows.items() if name.endswith("layers.0.attention.qkv_linear.wq.weight"))
+    assert q.transform == ("rope_to_half" if case.startswith("llama") else "rename") and ":" in q.rule
+    if case.startswith("qwen3moe"):
+        experts = next(row for name, row in rows.items() if name.endswith("layers.0.moe.routed_experts.inner_experts.w1_EFD"))
+        assert experts.transform == "unbind" and len(experts.targets) == 4
+    table = report.table(limit=0)
+    assert "adapter torchtitan:" in table and "model.layers.0.self_attn.q_proj.weight" in table
+    assert report.to_dict()["adapter_mapping"] and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_verify_compares_through_the_adapter(one_rank: Callable[[str, str], Run], case: str, tmp_path: Path) -> None:
+    """verify --against NATIVE --adapter: every output tensor matches; a changed q row is found, named."""
+    out = one_rank(case, "native").out
+    proc = run_cli(2, "verify", out, "--against", TITAN / case / "native", *adapter_args(case))
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+    broken = tmp_path / "broken"
+    shutil.copytree(out, broken)
+    weights = json.loads((broken / INDEX).read_text())["weight_map"]
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with open(broken / weights[name], "r+b") as handle:  # flip one byte of that tensor's data
+        (length,) = struct.unpack("<Q", handle.read(8))
+        header = json.loads(handle.read(length))
+        begin = 8 + length + header[name]["data_offsets"][0] + 4
+        handle.seek(begin)
+        value = handle.read(1)
+        handle.seek(begin)
+        handle.write(bytes([value[0] ^ 0xFF]))
+    proc = run_cli(1, "verify", broken, "--against", TITAN / case / "native", *adapter_args(case))
+    assert proc.returncode == 1 and name in proc.stdout, proc.stdout + proc.stderr
