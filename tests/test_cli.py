@@ -165,6 +165,28 @@ def test_nothing_close_suggests_nothing(capsys):
     assert "unrecognized arguments: --zzzz\n" in err and "did you mean" not in err
 
 
+@pytest.mark.parametrize(
+    "argv, said",
+    [
+        (["consolidte", "in", "out"], "invalid choice: 'consolidte'"),
+        (["--dtype", "bf16", "consolidate", "in", "out"], "--dtype is an option of the command: put it after it"),
+        (["--forc", "consolidate", "in", "out"], "unrecognized arguments: --forc (did you mean --force?); options go after"),
+        (["--agaist", "x", "verify", "out"], "unrecognized arguments: --agaist (did you mean --against?)"),
+    ],
+)
+def test_a_typo_before_the_command_says_what_to_type(capsys, argv, said):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: mpicons ") and said in err, err
+    if argv[0] == "consolidte":
+        assert "(did you mean consolidate?)" in err
+
+
+def test_a_word_like_no_command_suggests_none(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "did you mean" not in capsys.readouterr().err
+
+
 def test_demo_distcp_is_a_flag_before_the_directory():
     args = build_parser().parse_args(["demo", "--distcp", "work"])
     assert (args.directory, args.distcp, args.serialization) == ("work", True, None)

@@ -74,6 +74,23 @@ class _Parser(argparse.ArgumentParser):
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
+        if self._subparsers is not None:  # the top level: a command's option given before the command
+            given = list(sys.argv[1:] if args is None else args)
+            commands = self._command_names()
+            if given and given[0].startswith("-") and given[0] not in ("-h", "--help", "--version"):
+                command = next((a for a in given if a in commands), None)
+                if command is not None:
+                    known = self._command_parser(command)._option_string_actions
+                    option = given[0].partition("=")[0]
+                    if option in known:
+                        self.error(
+                            f"{option} is an option of the command: put it after it "
+                            f"(mpicons {command} {option} ...; 'mpicons {command} --help' lists them)"
+                        )
+                    self.error(
+                        f"unrecognized arguments: {given[0]}{_suggestion([given[0]], known)}; "
+                        f"options go after the command (mpicons {command} --help lists them)"
+                    )
         parsed, extras = super().parse_known_args(args, namespace)
         if extras:
             self.error(f"unrecognized arguments: {' '.join(extras)}{_suggestion(extras, self._option_string_actions)}")
@@ -83,7 +100,19 @@ class _Parser(argparse.ArgumentParser):
         if launcher_rank() == 0 and message:
             say(message, file or sys.stderr, end="")
 
+    def _command_names(self) -> list[str]:
+        actions = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        return [name for action in actions for name in action.choices]
+
+    def _command_parser(self, command: str) -> argparse.ArgumentParser:
+        actions = [a for a in self._actions if isinstance(a, argparse._SubParsersAction)]
+        return next(action.choices[command] for action in actions if command in action.choices)
+
     def error(self, message: str) -> NoReturn:
+        typo = re.match(r"argument command: invalid choice: '([^']*)'", message)
+        if typo is not None:  # a misspelt command: the closest one
+            close = difflib.get_close_matches(typo.group(1), self._command_names(), n=1, cutoff=0.6)
+            message += f" (did you mean {close[0]}?)" if close else ""
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
 
