@@ -443,3 +443,29 @@ def test_verify_compares_through_the_adapter(one_rank: Callable[[str, str], Run]
         handle.write(bytes([value[0] ^ 0xFF]))
     proc = run_cli(1, "verify", broken, "--against", TITAN / case / "native", *adapter_args(case))
     assert proc.returncode == 1 and name in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_assets_without_an_adapter_are_published_with_the_weights(tmp_path: Path) -> None:
+    """A plain consolidation that also gets its assets; an asset name already in the output needs --force."""
+    shards = Path(__file__).parent / "fixtures" / "dcp" / "fsdp2-3ranks" / "sharded"
+    hf_assets = tmp_path / "assets"
+    hf_assets.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(assets(CASES[0]) / name, hf_assets / name)
+    out = tmp_path / "out"
+    mpicons.consolidate(shards, out, hf_assets=hf_assets, comm=SingleProcess(), sync=False)
+    for name in ("config.json", "tokenizer.json"):
+        assert (out / name).read_bytes() == (hf_assets / name).read_bytes()
+    plain = tmp_path / "plain"
+    mpicons.consolidate(shards, plain, comm=SingleProcess(), sync=False)
+    assert {p.name: p.read_bytes() for p in plain.iterdir()} == {
+        p.name: p.read_bytes() for p in out.iterdir() if p.name not in ("config.json", "tokenizer.json")
+    }
+    again = tmp_path / "again"
+    again.mkdir()
+    (again / "config.json").write_text("{}")
+    with pytest.raises(mpicons.InputError, match="config.json"):
+        mpicons.consolidate(shards, again, hf_assets=hf_assets, comm=SingleProcess(), sync=False)
+    assert (again / "config.json").read_text() == "{}"
+    mpicons.consolidate(shards, again, hf_assets=hf_assets, comm=SingleProcess(), sync=False, force=True)
+    assert (again / "config.json").read_bytes() == (hf_assets / "config.json").read_bytes()
