@@ -10,6 +10,7 @@ written by torch itself, in a subprocess (no torch import in the test process).
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -85,3 +86,21 @@ def test_views_convert_like_any_tensor(views: tuple[Path, Path], tmp_path: Path)
     mpicons.consolidate(checkpoint, tmp_path / "from-views", comm=SingleProcess(), sync=False, dtype="fp16")
     converted = (tmp_path / "from-views" / "model.safetensors").read_bytes()
     assert converted == (tmp_path / "from-plain" / "model.safetensors").read_bytes()
+
+
+def test_views_move_between_ranks_alike(views: tuple[Path, Path], tmp_path: Path) -> None:
+    """Node-local shards (``{rank}``: rank 1 sees no data file) and --gather-to: transposed pieces read by
+    one rank are placed by another, through the same scratch."""
+    checkpoint, expected = views
+    for rank in (0, 1):
+        (tmp_path / f"local{rank}").mkdir()
+    for entry in checkpoint.iterdir():
+        shutil.copy(entry, tmp_path / "local0" / entry.name)
+    proc, _ = cli(2, "consolidate", tmp_path / "local{rank}", tmp_path / "out", "--buffer-size", "4K", "--no-sync", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == expected.read_bytes()
+    proc, _ = cli(
+        3, "consolidate", checkpoint, tmp_path / "gathered", "--gather-to", "2", "--buffer-size", "4K", "--no-sync", "-q"
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "gathered" / "model.safetensors").read_bytes() == expected.read_bytes()
