@@ -27,7 +27,7 @@ from ..io import regular_files
 from ..io.hdf5 import HDF5_NAME, dataset_path, storage_dtype
 from ..io.journal import STAGING_PREFIX
 from ..io.lock import LOCK_NAME, read_lock
-from ..io.regular_files import read_at
+from ..io.regular_files import read_at, read_bounded
 from ..io.sources import SourceFiles
 
 #: An index larger than this is refused unread (one for a million tensors is far smaller).
@@ -113,12 +113,12 @@ def _read_index(path: str, follow_links: bool) -> object:
     except OSError as exc:
         raise Unreadable(f"cannot read index ({exc.strerror})") from None
     try:
-        raw = read_at(fd, MAX_INDEX_SIZE + 1, 0)
+        raw = read_bounded(fd, MAX_INDEX_SIZE)
     except OSError as exc:
         raise Unreadable(f"cannot read index ({exc.strerror})") from None
     finally:
         os.close(fd)
-    if len(raw) > MAX_INDEX_SIZE:
+    if raw is None:
         raise Unreadable(f"index is larger than the {MAX_INDEX_SIZE}-byte limit (not an index?)", "index")
     try:
         return json.loads(raw.decode("utf-8"))

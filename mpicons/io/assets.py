@@ -28,7 +28,7 @@ from ..core.mapping import parse_mapping
 from ..core.names import CHECKPOINT_FILE, INDEX_NAME, SHARD_FILE
 from ..core.options import DTYPE_TARGETS
 from .journal import describe_names
-from .regular_files import NotRegular, kind_of, open_regular, read_at
+from .regular_files import NotRegular, kind_of, open_regular, read_bounded
 from .sources import MAX_TRANSFER
 
 CONFIG_NAME = "config.json"
@@ -239,12 +239,12 @@ def _read_file(path: str) -> bytes:
         size = os.fstat(fd).st_size
         if size > READ_LIMIT:
             raise InputError(f"{path}: {size} bytes, more than the {READ_LIMIT >> 20} MB mpicons reads from --hf-assets")
-        data = read_at(fd, READ_LIMIT + 1, 0)
+        data = read_bounded(fd, READ_LIMIT)
     except OSError as exc:
         raise WriteError(f"{path}: cannot read it ({exc.strerror})") from None
     finally:
         os.close(fd)
-    if len(data) > READ_LIMIT:
+    if data is None:
         raise InputError(f"{path}: more than the {READ_LIMIT >> 20} MB mpicons reads from --hf-assets")
     return data
 

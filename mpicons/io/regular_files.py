@@ -91,6 +91,13 @@ def read_at(fd: int, size: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
+def read_bounded(fd: int, limit: int) -> bytes | None:
+    """All of the file behind ``fd`` when it holds at most ``limit`` bytes; None when it holds more
+    (it is not the small file it claims to be: an index, a config, a rule file)."""
+    data = read_at(fd, limit + 1, 0)
+    return None if len(data) > limit else data
+
+
 @dataclass(frozen=True)
 class Found:
     """What is at a path mpicons reads its own small files from (the lock, a journal)."""

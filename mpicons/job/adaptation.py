@@ -21,7 +21,7 @@ from ..core.errors import InputError
 from ..core.facts import FACT_KEY, piece_destinations
 from ..core.format import DTYPES
 from ..core.options import Options
-from ..io.regular_files import NotRegular, kind_of, open_regular, read_at
+from ..io.regular_files import NotRegular, kind_of, open_regular, read_bounded
 from .scan import Scanned, reduce_facts
 
 if TYPE_CHECKING:
@@ -54,10 +54,10 @@ def _read_rule_file(path: str) -> str:
     except OSError as exc:
         raise InputError(f"--adapter {path!r}: cannot read it: {exc.strerror}") from None
     try:
-        raw = read_at(fd, MAX_RULE_FILE + 1, 0)
+        raw = read_bounded(fd, MAX_RULE_FILE)
     finally:
         os.close(fd)
-    if len(raw) > MAX_RULE_FILE:
+    if raw is None:
         raise InputError(f"--adapter {path!r}: larger than {MAX_RULE_FILE >> 20} MiB, not a rule file")
     try:
         return raw.decode("utf-8")
