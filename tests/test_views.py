@@ -104,3 +104,30 @@ def test_views_move_between_ranks_alike(views: tuple[Path, Path], tmp_path: Path
     )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "gathered" / "model.safetensors").read_bytes() == expected.read_bytes()
+
+
+WIDE = """
+import sys
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+view = torch.randn(2000, 3).t()  # (3, 2000): rows of 8000 bytes, saved transposed
+dcp.save({"wide": view}, checkpoint_id=sys.argv[1], no_dist=True)
+save_file({"wide": view.contiguous()}, sys.argv[2], metadata={"format": "pt"})
+"""
+
+
+def test_a_transposed_row_larger_than_a_block_is_refused_before_writing(tmp_path: Path) -> None:
+    """Rows of transposed pieces are never cut across blocks: one larger than a block is exit 2 at plan
+    time on every rank, naming the tensor and the buffer size to give; a larger buffer reads it."""
+    checkpoint, expected = tmp_path / "dcp", tmp_path / "expected.safetensors"
+    proc = subprocess.run(
+        [sys.executable, "-c", WIDE, str(checkpoint), str(expected)], capture_output=True, text=True, timeout=180
+    )
+    assert proc.returncode == 0, proc.stderr
+    proc, _ = cli(2, "consolidate", checkpoint, tmp_path / "out", "--buffer-size", "4K", "--no-sync", "-q")
+    assert proc.returncode == 2 and "'wide'" in proc.stderr and "--buffer-size" in proc.stderr, proc.stderr
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    proc, _ = cli(2, "consolidate", checkpoint, tmp_path / "out", "--buffer-size", "64K", "--no-sync", "-q")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == expected.read_bytes()

@@ -89,7 +89,7 @@ class RuleSet:
     rules: tuple[Rule, ...]
     model_types: tuple[str, ...] = ()  # empty: any
     defaults: Mapping[str, ast.expr] = field(default_factory=dict)
-    #: The config keys the rules read (arguments, conditions, target arithmetic): a config is needed when any is.
+    #: Whether the rules read the config (a name in an argument, a condition, target arithmetic or a default).
     reads_config: bool = False
 
     def where(self, rule: Rule) -> str:

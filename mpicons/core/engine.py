@@ -272,6 +272,23 @@ def dense_from(shape: np.ndarray, stride: np.ndarray) -> np.ndarray:
     return first
 
 
+def check_saved_views(layout: Layout, part: Part, block_bytes: int) -> None:
+    """Rows of a tensor with pieces saved transposed are never cut across blocks: refuse, before any
+    writing, one larger than a block (every rank checks its own part; the caller agrees on it)."""
+    pieces = part.pieces
+    if pieces.stride is None or not len(pieces):
+        return
+    flipped = dense_from(pieces.shape, pieces.stride) == pieces.width
+    for t in np.unique(pieces.tensor[flipped]).tolist():
+        tensor = layout.tensors[t]
+        row = tensor.row_units * max(tensor.unit, tensor.source_unit)
+        if row > block_bytes:
+            raise InputError(
+                f"tensor {tensor.name!r}: one row ({row} bytes) is larger than a block ({block_bytes} bytes) and "
+                "pieces of it were saved transposed: give a --buffer-size of at least seven of its rows"
+            )
+
+
 def _innermost(shape: np.ndarray, offset: np.ndarray, storage: np.ndarray) -> np.ndarray:
     """Per piece, the innermost dimension it does not span in full (0: it spans every trailing one)."""
     width = storage.shape[1]
@@ -435,11 +452,9 @@ def _prefixed_runs(layout: Layout, part: Part, block: Block, index: int) -> Runs
     if not n:
         return Runs.concat([])
     steps = chosen.strides()
-    if chosen.stride is not None and (dense_from(chosen.shape, steps) == chosen.width).any():
-        raise InputError(
-            f"tensor {tensor.name!r}: one row is larger than a block and holds pieces saved transposed: "
-            "give a --buffer-size of at least five of its rows"
-        )
+    assert chosen.stride is None or not (dense_from(chosen.shape, steps) == chosen.width).any(), (
+        "check_saved_views refuses, at plan time, rows of transposed pieces larger than a block"
+    )
     # Where the prefix starts inside each piece's own box, in units.
     local = ((prefix - chosen.offset[:, :level]) * steps[:, :level]).sum(axis=1)
     begin = chosen.begin + local * tensor.source_unit
@@ -752,4 +767,5 @@ __all__ = [
     "segment_bytes",
     "segment_offset",
     "block_budget",
+    "check_saved_views",
 ]

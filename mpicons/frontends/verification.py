@@ -22,7 +22,16 @@ from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on
 from ..comm.interrupts import deferred
 from ..core.checkpoint_checks import Diff, FileResult, Listing, Located, VerifyReport, against_checks, cross_check, diff_problems
-from ..core.engine import Assembler, Block, Segment, block_budget, blocks, segment_bytes, segment_offset
+from ..core.engine import (
+    Assembler,
+    Block,
+    Segment,
+    block_budget,
+    blocks,
+    check_saved_views,
+    segment_bytes,
+    segment_offset,
+)
 from ..core.errors import MpiconsError
 from ..core.layout import Layout
 from ..core.options import Options
@@ -265,6 +274,7 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
         ),
     )
     part = distribute(comm, scanned, layout)
+    agree(comm, lambda: check_saved_views(layout, part, block_budget(options.buffer_size, 4)))
     comparable, problems = against_checks(layout, against, output_dir, checked.listing, checked.results, located)
     shares = agree(
         comm,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on, wait_for_all
 from ..comm.interrupts import deferred, forget_pending, raise_pending, raising_inside
+from ..core.engine import block_budget, check_saved_views
 from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
 from ..core.machine import check_buffer_size, check_names_fit, check_path_fits, host_name
@@ -190,7 +191,10 @@ def plan_job(comm: Comm, scanned: Scanned, options: Options, mapping: dict[str, 
     """The layout (the same on every rank) and this rank's checked part of the pieces."""
     layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, gather_to=options.gather_to))
     agree(comm, lambda: output_format(options.output_format).check(layout))
-    return layout, distribute(comm, scanned, layout)
+    part = distribute(comm, scanned, layout)
+    # The node-local exchange's blocks (four output slots) are the smallest any writer uses.
+    agree(comm, lambda: check_saved_views(layout, part, block_budget(options.buffer_size, 4)))
+    return layout, part
 
 
 def consolidate(
