@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import resource
 import shutil
 import signal
@@ -316,7 +317,10 @@ def test_ctrl_c_at_any_moment_of_start_up_ends_the_job(tmp_path):
             pytest.fail(f"attempt {attempt}: the job did not end within 30 s of SIGINT")
         # Python itself may be interrupted before mpicons' first line runs; after that, no traceback.
         python_start = stderr.startswith("Fatal Python error: init_")  # the interpreter's own start-up, before mpicons
-        assert python_start or "Traceback" not in stderr or stderr.rstrip().endswith("KeyboardInterrupt"), stderr
+        # A bare KeyboardInterrupt (Python prints "KeyboardInterrupt:" when it lands in importlib's own
+        # lock callback, before any mpicons line runs) is the only traceback allowed.
+        bare = re.search(r"KeyboardInterrupt:?\s*$", stderr) is not None
+        assert python_start or "Traceback" not in stderr or bare, stderr
         if (out / "model.safetensors.index.json").exists():
             expect_edge(out)  # finished before the signal mattered: complete
         else:
