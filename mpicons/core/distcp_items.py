@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import shlex
 import struct
@@ -26,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .byte_sources import ByteSource, opened
 from .errors import InputError
 from .format import DTYPE_BY_NAME, MAX_DIM, MAX_HEADER_SIZE, MAX_NDIM, parse_header
 from .headers import SHARDING_KEY
@@ -172,11 +172,11 @@ class _TensorUnpickler(RestrictedUnpickler):
 
 
 class _Window(io.RawIOBase):
-    """Bytes ``[start, start + length)`` of an open file as a seekable file of their own (for zipfile)."""
+    """Bytes ``[start, start + length)`` of a source as a seekable file of their own (for zipfile)."""
 
-    def __init__(self, fd: int, start: int, length: int) -> None:
+    def __init__(self, source: ByteSource, start: int, length: int) -> None:
         super().__init__()
-        self._fd, self._start, self._length, self._position = fd, start, length, 0
+        self._source, self._start, self._length, self._position = source, start, length, 0
 
     def readable(self) -> bool:
         return True
@@ -196,7 +196,7 @@ class _Window(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         count = max(0, min(len(buffer), self._length - self._position))
-        data = os.pread(self._fd, count, self._start + self._position) if count else b""
+        data = self._source.read_at(self._start + self._position, count) if count else b""
         buffer[: len(data)] = data
         self._position += len(data)
         return len(data)
@@ -223,8 +223,8 @@ class ItemProblem:
     message: str
 
 
-def locate(path: str, items: Sequence[Item], fast: bool = True) -> np.ndarray:
-    """The absolute offset in the data file at ``path`` where each item's piece (C order) begins.
+def locate(path: ByteSource | str, items: Sequence[Item], fast: bool = True) -> np.ndarray:
+    """The absolute offset in the data file at ``path`` (or read through a source) where each item's piece (C order) begins.
 
     Raises InputError at the first item that cannot be read (see :func:`locate_all`).
     """
@@ -235,13 +235,15 @@ def locate(path: str, items: Sequence[Item], fast: bool = True) -> np.ndarray:
 
 
 def locate_all(
-    path: str, items: Sequence[Item], fast: bool = True
+    path: ByteSource | str, items: Sequence[Item], fast: bool = True
 ) -> tuple[np.ndarray, list[ItemProblem], dict[int, tuple[int, ...]]]:
-    """Where each item's piece begins in the data file at ``path``, every item that cannot be read, and
-    the strides of the items torch saved as views (transposed, sliced), by position; row-major ones are not listed.
+    """Where each item's piece begins in the data file at ``path`` (or read through a source, left
+    open), every item that cannot be read, and the strides of the items torch saved as views
+    (transposed, sliced), by position; row-major ones are not listed.
 
     ``fast``: read archives laid out as ``torch.save`` writes them with two small reads each (their
-    first and last 4 KiB), and any other through :mod:`zipfile` (``False``: every one through it).
+    first and last 4 KiB; a record outside both costs one more), and any other through :mod:`zipfile`
+    (``False``: every one through it).
     A problem names the file, the tensor and what does not agree with the metadata; the file itself
     not being readable raises InputError.
     """
@@ -249,39 +251,53 @@ def locate_all(
     begins = np.zeros(len(items), dtype=np.int64)
     problems: list[ItemProblem] = []
     views: dict[int, tuple[int, ...]] = {}
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
-    try:
-        size = os.fstat(fd).st_size
+    with opened(path) as source:
         blobs: dict[int, dict[str, _BlobEntry]] = {}
         for i, item in enumerate(items):
             try:
-                begins[i], stride = _locate_one(fd, path, size, item, pickles, blobs, fast)
+                begins[i], stride = _locate_one(source, item, pickles, blobs, fast)
                 if stride is not None:
                     views[i] = stride
             except InputError as exc:
                 problems.append(ItemProblem(i, item.name, str(exc)))
-    finally:
-        os.close(fd)
     return begins, problems, views
 
 
+class _ItemBytes:
+    """One item's bytes as read so far (its first and last few KiB): a record inside them costs no
+    read, one outside them one read of the source."""
+
+    def __init__(self, source: ByteSource, item: Item, head: bytes, tail: bytes = b"") -> None:
+        self.source, self.base, self.head, self.tail = source, item.item_offset, head, tail
+        self.tail_start = item.item_length - len(tail)
+
+    def read(self, at: int, length: int) -> bytes:
+        """``length`` bytes at ``at`` (relative to the item's start; they may run past its end)."""
+        if at + length <= len(self.head):
+            return self.head[at : at + length]
+        if self.tail and self.tail_start <= at and at + length <= self.tail_start + len(self.tail):
+            return self.tail[at - self.tail_start : at - self.tail_start + length]
+        return self.source.read_at(self.base + at, length)
+
+
 def _locate_one(
-    fd: int, path: str, size: int, item: Item, pickles: dict[bytes, object], blobs: dict[int, dict[str, _BlobEntry]], fast: bool
+    source: ByteSource, item: Item, pickles: dict[bytes, object], blobs: dict[int, dict[str, _BlobEntry]], fast: bool
 ) -> tuple[int, tuple[int, ...] | None]:
+    path, size = source.name, source.size
     where = f"{path}: tensor {item.name!r} (piece at {list(item.offsets)})"
     if item.item_offset + item.item_length > size:
         raise InputError(
             f"{where}: its item at byte {item.item_offset} ({item.item_length} bytes) runs past the end "
             f"of the {size}-byte file (truncated?)"
         )
-    if os.pread(fd, 4, item.item_offset) == _ZIP_LOCAL:
-        return _archive_piece(fd, where, item, pickles, fast)
     blob = blobs.get(item.item_offset)
-    if blob is None:
-        blob = blobs[item.item_offset] = _blob_entries(fd, path, where, item.item_offset, size)
+    if blob is not None:  # a safetensors blob already read (its pieces all share its offset)
+        return _blob_piece(blob, where, item), None
+    # One read for the signature and the archive's first records (the blob's prefix when it is one).
+    peek = source.read_at(item.item_offset, max(_BLOB_PREFIX, min(_PEEK, item.item_length)))
+    if peek[:4] == _ZIP_LOCAL:
+        return _archive_piece(source, where, item, pickles, fast, peek[: item.item_length])
+    blob = blobs[item.item_offset] = _blob_entries(source, where, item.item_offset, peek)
     return _blob_piece(blob, where, item), None
 
 
@@ -291,6 +307,7 @@ _EOCD64 = struct.Struct("<4sQ2H2L4Q")  # ZIP64 end of central directory record
 _CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header
 _LOCAL = struct.Struct("<4s5H3L2H")  # local file header
 _PEEK = 4096
+_BLOB_PREFIX = 9  # a safetensors blob's length and its header's first byte
 
 
 def _simple_members(tail: bytes, length: int) -> tuple[dict[str, tuple[int, int, int]], int] | None:
@@ -328,26 +345,22 @@ def _simple_members(tail: bytes, length: int) -> tuple[dict[str, tuple[int, int,
 _DESCRIPTOR = b"PK\x07\x08"
 
 
-def _member_start(fd: int, where: str, item: Item, name: str, local: int, size: int, boundary: int, head: bytes = b"") -> int:
-    """The archive offset of member ``name``'s data, from its local header (in ``head`` when it is there),
+def _member_start(record: _ItemBytes, where: str, item: Item, name: str, local: int, size: int, boundary: int) -> int:
+    """The archive offset of member ``name``'s data, from its local header (read when ``record`` lacks it),
     after checking that the archive's own records agree on its extent: the local header names it and
     records its size (or a data descriptor after the data does), and its data ends before
     ``boundary`` (the next member's local header, or the central directory)."""
-    header = (
-        head[local : local + _LOCAL.size]
-        if local + _LOCAL.size <= len(head)
-        else os.pread(fd, _LOCAL.size, item.item_offset + local)
-    )
+    header = record.read(local, _LOCAL.size)
     if len(header) < _LOCAL.size or header[:4] != _ZIP_LOCAL:
         raise InputError(f"{where}: the archive's local header of {name} is damaged")
     fields = _LOCAL.unpack(header)
     flags, stored, unpacked, names, extra = fields[2], fields[7], fields[8], fields[9], fields[10]
     start = local + _LOCAL.size + names + extra
-    if os.pread(fd, names, item.item_offset + local + _LOCAL.size) != name.encode("utf-8"):
+    if record.read(local + _LOCAL.size, names) != name.encode("utf-8"):
         raise InputError(f"{where}: the archive's local header at byte {local} does not name {name}")
     recorded: tuple[int, ...] = (stored, unpacked)
     if flags & 0x08:  # sizes in a data descriptor after the data
-        tail = os.pread(fd, 24, item.item_offset + start + size)
+        tail = record.read(start + size, 24)
         body = tail[4:] if tail[:4] == _DESCRIPTOR else tail
         recorded = struct.unpack_from("<4xLL", body) if len(body) >= 12 else ()
         if recorded != (size, size) and len(body) >= 20:
@@ -372,19 +385,19 @@ def _boundaries(locals_: Sequence[int], central: int) -> dict[int, int]:
 
 
 def _archive_piece(
-    fd: int, where: str, item: Item, pickles: dict[bytes, object], fast: bool
+    source: ByteSource, where: str, item: Item, pickles: dict[bytes, object], fast: bool, head: bytes
 ) -> tuple[int, tuple[int, ...] | None]:
     """Where the piece's bytes begin inside its ``torch.save`` archive, checked against the metadata,
-    and its strides if it is a view."""
-    head = tail = b""
-    found = None
+    and its strides if it is a view. ``head``: the item's first bytes, already read."""
+    found, record = None, _ItemBytes(source, item, head)
     if fast:
-        head = os.pread(fd, min(_PEEK, item.item_length), item.item_offset)
         start = max(0, item.item_length - _PEEK)
-        tail = os.pread(fd, item.item_length - start, item.item_offset + start)
+        whole = len(head) >= item.item_length  # a small item: its head is all of it
+        tail = head[start:] if whole else source.read_at(item.item_offset + start, item.item_length - start)
+        record = _ItemBytes(source, item, head, tail)
         found = _simple_members(tail, item.item_length)
     if found is None:
-        return _archive_piece_zipfile(fd, where, item)
+        return _archive_piece_zipfile(source, where, item)
     members, central = found
     boundary = _boundaries([member[2] for member in members.values()], central)
     root = next(iter(members)).split("/")[0] if members else ""
@@ -393,12 +406,8 @@ def _archive_piece(
         raise InputError(f"{where}: the torch.save archive has no data.pkl")
     if pickled[0] != zipfile.ZIP_STORED:
         raise InputError(f"{where}: unsupported: the torch.save archive is compressed")
-    begin = _member_start(fd, where, item, f"{root}/data.pkl", pickled[2], pickled[1], boundary[pickled[2]], head)
-    data = (
-        head[begin : begin + pickled[1]]
-        if begin + pickled[1] <= len(head)
-        else os.pread(fd, pickled[1], item.item_offset + begin)
-    )
+    begin = _member_start(record, where, item, f"{root}/data.pkl", pickled[2], pickled[1], boundary[pickled[2]])
+    data = record.read(begin, pickled[1])
     ref = pickles.get(data)
     if ref is None:
         ref = pickles[data] = unpickle(data, _TensorUnpickler, where, "the item's data.pkl")
@@ -411,14 +420,15 @@ def _archive_piece(
     if member[0] != zipfile.ZIP_STORED:
         raise InputError(f"{where}: unsupported: the storage is compressed in the archive")
     stride = _check_ref(where, item, ref, member[1])
-    start = _member_start(fd, where, item, name, member[2], member[1], boundary[member[2]], head)
+    start = _member_start(record, where, item, name, member[2], member[1], boundary[member[2]])
     return item.item_offset + start + ref.storage_offset * DTYPE_BY_NAME[ref.dtype].bits // 8, stride
 
 
-def _archive_piece_zipfile(fd: int, where: str, item: Item) -> tuple[int, tuple[int, ...] | None]:
+def _archive_piece_zipfile(source: ByteSource, where: str, item: Item) -> tuple[int, tuple[int, ...] | None]:
     """:func:`_archive_piece` for any zip archive, read through :mod:`zipfile`."""
+    record = _ItemBytes(source, item, b"")
     try:
-        archive = zipfile.ZipFile(_Window(fd, item.item_offset, item.item_length))
+        archive = zipfile.ZipFile(_Window(source, item.item_offset, item.item_length))
         members = {info.filename: info for info in archive.infolist()}
         root = next(iter(members)).split("/")[0] if members else ""
         pickled = members.get(f"{root}/data.pkl")
@@ -428,7 +438,7 @@ def _archive_piece_zipfile(fd: int, where: str, item: Item) -> tuple[int, tuple[
             raise InputError(f"{where}: unsupported: the torch.save archive is compressed")
         boundary = _boundaries([info.header_offset for info in members.values()], archive.start_dir)
         _member_start(
-            fd, where, item, pickled.filename, pickled.header_offset, pickled.file_size, boundary[pickled.header_offset]
+            record, where, item, pickled.filename, pickled.header_offset, pickled.file_size, boundary[pickled.header_offset]
         )
         ref = unpickle(archive.read(pickled), _TensorUnpickler, where, "the item's data.pkl")
     except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, OSError, EOFError, StopIteration) as exc:
@@ -444,7 +454,7 @@ def _archive_piece_zipfile(fd: int, where: str, item: Item) -> tuple[int, tuple[
     if member.compress_size != member.file_size:
         raise InputError(f"{where}: the archive's records of {member.filename} disagree on its size")
     start = _member_start(
-        fd, where, item, member.filename, member.header_offset, member.file_size, boundary[member.header_offset]
+        record, where, item, member.filename, member.header_offset, member.file_size, boundary[member.header_offset]
     )
     return item.item_offset + start + ref.storage_offset * DTYPE_BY_NAME[ref.dtype].bits // 8, stride
 
@@ -504,15 +514,18 @@ def _check_view(where: str, item: Item, ref: _TensorRef, unit: int, stored_bytes
 _BlobEntry = tuple[str, tuple[int, ...], int, int, list[int] | None]
 
 
-def _blob_entries(fd: int, path: str, where: str, offset: int, size: int) -> dict[str, _BlobEntry]:
-    """The safetensors blob at ``offset`` (DCP's safetensors serialization): name → (dtype, shape, begin, saved offsets)."""
-    prefix = os.pread(fd, 9, offset)
-    if len(prefix) < 9 or prefix[8:9] != b"{":
+def _blob_entries(source: ByteSource, where: str, offset: int, peek: bytes) -> dict[str, _BlobEntry]:
+    """The safetensors blob at ``offset`` (DCP's safetensors serialization): name → (dtype, shape, begin,
+    saved offsets). ``peek``: the bytes at ``offset`` already read (at least its first 9 unless the file ends)."""
+    path, size = source.name, source.size
+    prefix = peek[:_BLOB_PREFIX]
+    if len(prefix) < _BLOB_PREFIX or prefix[8:9] != b"{":
         raise InputError(f"{where}: the item at byte {offset} is neither a torch.save archive nor a safetensors blob")
     (length,) = struct.unpack("<Q", prefix[:8])
     if length > MAX_HEADER_SIZE or offset + 8 + length > size:
         raise InputError(f"{path}: the safetensors blob at byte {offset} has a header length of {length} (damaged?)")
-    header = parse_header(os.pread(fd, length, offset + 8), size - offset, f"{path} (safetensors blob at byte {offset})")
+    raw = peek[8 : 8 + length] if 8 + length <= len(peek) else source.read_at(offset + 8, length)
+    header = parse_header(raw, size - offset, f"{path} (safetensors blob at byte {offset})")
     saved: dict[str, Any] = {}
     text = header.metadata.get(SHARDING_KEY)
     if text is not None:

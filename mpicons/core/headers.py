@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .byte_sources import ByteSource, Opener, opened, posix_opener
 from .errors import InputError
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, MAX_DIM, MAX_NDIM, PREFIX_SIZE, BadPrefix, header_length, parse_header
 from .names import MAX_SHARD_NUMBER, parse_shard_name
@@ -40,20 +41,23 @@ class _Parsed:
     is_dcp: bool
 
 
-def _read_raw(path: str) -> tuple[bytes, int]:
-    """The header bytes of the file at ``path`` and the file's size."""
+#: The first read of a header: its length prefix and, for most checkpoints, the whole header, so a
+#: header costs one read (one ranged GET on object storage), two when it is longer than this.
+HEAD_READ = 64 << 10
+
+
+def _read_raw(source: ByteSource) -> tuple[bytes, int]:
+    """The header bytes of ``source`` and its size, in one read (two when the header is longer than :data:`HEAD_READ`)."""
+    size = source.size
+    head = source.read_at(0, min(size, HEAD_READ))
     try:
-        with open(path, "rb") as handle:
-            size = os.fstat(handle.fileno()).st_size
-            try:
-                length = header_length(handle.read(PREFIX_SIZE), size)
-            except BadPrefix as exc:
-                raise InputError(f"{path}: {exc.what}") from None
-            raw = handle.read(length)
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+        length = header_length(head[:PREFIX_SIZE], size)
+    except BadPrefix as exc:
+        raise InputError(f"{source.name}: {exc.what}") from None
+    end = PREFIX_SIZE + length
+    raw = head[PREFIX_SIZE:end] if end <= len(head) else head[PREFIX_SIZE:] + source.read_at(len(head), end - len(head))
     if len(raw) != length:
-        raise InputError(f"{path}: file shrank while its header was read")
+        raise InputError(f"{source.name}: file shrank while its header was read")
     return raw, size
 
 
@@ -257,12 +261,16 @@ def _sharding_info(path: str, metadata: dict[str, str]) -> dict[str, list[int]] 
     return offsets
 
 
-def read_file(path: str, file_name: str) -> _Parsed:
-    """One shard file's header as columns (fast path, else strict with a precise error)."""
+def read_file(source: ByteSource | str, file_name: str) -> _Parsed:
+    """One shard file's header as columns (fast path, else strict with a precise error); ``source``
+    is read through, or is the path of a file opened here."""
     named = parse_shard_name(file_name)
     if named is not None and max(named) > MAX_SHARD_NUMBER:
-        raise InputError(f"{path}: the numbers in this shard name are out of range (at most {MAX_SHARD_NUMBER})")
-    raw, size = _read_raw(path)
+        where = source if isinstance(source, str) else source.name
+        raise InputError(f"{where}: the numbers in this shard name are out of range (at most {MAX_SHARD_NUMBER})")
+    with opened(source) as readable:
+        raw, size = _read_raw(readable)
+        path = readable.name
     parsed = _fast(raw, size, named is not None)
     return parsed if parsed is not None else _strict(path, raw, size, named is not None)
 
@@ -278,13 +286,19 @@ class LocalTable:
     pieces: Pieces
 
 
-def read_headers(directory: str, names: Sequence[str], file_ids: Sequence[int], holder: int = 0) -> LocalTable:
-    """Read the headers of ``names`` (files inside ``directory`` with global ids ``file_ids``)."""
+def read_headers(directory: str | Opener, names: Sequence[str], file_ids: Sequence[int], holder: int = 0) -> LocalTable:
+    """Read the headers of ``names`` (files with global ids ``file_ids`` inside ``directory``, or opened
+    by name with an :data:`~mpicons.core.byte_sources.Opener`), each closed once read."""
+    open_one = posix_opener(directory) if isinstance(directory, str) else directory
     tensor_names: list[str] = []
     ids: dict[str, int] = {}
     parts, starts, dcp = [], [], []
     for file_id, file_name in zip(file_ids, names):
-        parsed = read_file(os.path.join(directory, file_name), file_name)
+        source = open_one(file_name)
+        try:
+            parsed = read_file(source, file_name)
+        finally:
+            source.close()
         new = [n for n in parsed.names if n not in ids]
         ids.update(zip(new, range(len(ids), len(ids) + len(new))))
         lookup = np.fromiter(map(ids.__getitem__, parsed.names), dtype=np.int32, count=len(parsed.names))

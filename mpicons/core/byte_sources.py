@@ -1,0 +1,95 @@
+"""Random access to one input file, wherever it is stored (no MPI here).
+
+The header readers (:mod:`~mpicons.core.headers`, :mod:`~mpicons.core.distcp_metadata`,
+:mod:`~mpicons.core.distcp_items`) read through a :class:`ByteSource`, so the same code reads a file
+on a filesystem (:class:`PosixSource`: ``pread``) and an object in a bucket (the S3 source of
+:mod:`mpicons.io.s3_sources`: ranged GETs). Every read costs a system call or a request, so the
+readers ask for few, large ranges: callers pass what they will need at once, never byte by byte.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Protocol
+
+from .errors import InputError
+
+#: Largest single ``pread`` (Linux moves at most about 2 GiB per call).
+_MAX_PREAD = 1 << 30
+
+
+class ByteSource(Protocol):
+    """One input file's bytes: its name for messages (a path or an ``s3://`` URL), its size, ranged reads."""
+
+    name: str
+    size: int
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        """The ``length`` bytes at ``offset``; fewer only where the source ends."""
+        ...
+
+    def close(self) -> None: ...
+
+
+#: Opens an input by its file name (inside the location a reader was given).
+Opener = Callable[[str], ByteSource]
+
+
+class PosixSource:
+    """A file on a filesystem, read with ``pread`` through one read-only descriptor."""
+
+    def __init__(self, path: str) -> None:
+        self.name = path
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+        try:
+            self.size = os.fstat(self._fd).st_size
+        except OSError as exc:
+            os.close(self._fd)
+            raise InputError(f"{path}: cannot read ({exc.strerror})") from None
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        parts, done = [], 0
+        while done < length:
+            try:
+                got = os.pread(self._fd, min(length - done, _MAX_PREAD), offset + done)
+            except OSError as exc:
+                raise InputError(f"{self.name}: cannot read at byte {offset + done} ({exc.strerror})") from None
+            if not got:
+                break
+            parts.append(got)
+            done += len(got)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> PosixSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@contextmanager
+def opened(source: ByteSource | str) -> Iterator[ByteSource]:
+    """``source`` itself (its owner closes it), or the file at a path, opened here and closed after."""
+    if not isinstance(source, str):
+        yield source
+        return
+    with PosixSource(source) as posix:
+        yield posix
+
+
+def posix_opener(directory: str) -> Opener:
+    """Opens the files of a directory as :class:`PosixSource`."""
+    return lambda name: PosixSource(os.path.join(directory, name))
+
+
+__all__ = ["ByteSource", "Opener", "PosixSource", "opened", "posix_opener"]
