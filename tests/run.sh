@@ -30,12 +30,32 @@ slow=0
 for arg in "$@"; do [ "$arg" = --run-slow ] && slow=1; done
 export PYTHONDONTWRITEBYTECODE=1 RUFF_CACHE_DIR=.venv/.ruff-cache MYPY_CACHE_DIR=.venv/.mypy-cache
 logs=$(mktemp -d)
-trap 'rm -rf "$logs"' EXIT
+s3_pid=
+stop_s3() {
+  if [ -n "$s3_pid" ]; then kill "$s3_pid" 2>/dev/null || true; wait "$s3_pid" 2>/dev/null || true; fi
+  s3_pid=
+}
+trap 'stop_s3; rm -rf "$logs"' EXIT
 
 echo "== lint (ruff) and types (mypy)"
 .venv/bin/ruff check -q mpicons tests benchmarks
 .venv/bin/ruff format -q --check mpicons tests benchmarks
 .venv/bin/mypy mpicons | tee "$logs/types"
+
+# One local S3 server (moto, loopback only) for every pass: the S3 tests reach it by this URL, with
+# dummy credentials; it stops at exit (and by itself if this script is gone).
+echo "== S3 test server"
+.venv/bin/python tests/s3server.py serve >"$logs/s3-url" 2>"$logs/s3-log" &
+s3_pid=$!
+for _ in $(seq 600); do
+  grep -q '^http://' "$logs/s3-url" 2>/dev/null && break
+  kill -0 "$s3_pid" 2>/dev/null || break
+  sleep 0.1
+done
+grep -q '^http://' "$logs/s3-url" || { echo "the S3 test server did not start:"; cat "$logs/s3-log"; exit 1; }
+MPICONS_TEST_S3_ENDPOINT=$(head -n 1 "$logs/s3-url")
+export MPICONS_TEST_S3_ENDPOINT AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing AWS_DEFAULT_REGION=us-east-1
+echo "$MPICONS_TEST_S3_ENDPOINT"
 
 echo "== serial tests"
 .venv/bin/python -m pytest -q -p no:cacheprovider "$@" tests | tee "$logs/serial"
