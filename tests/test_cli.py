@@ -65,6 +65,10 @@ def test_every_consolidate_option_is_passed_on():
             "assets",
             "--keep-dtype",
             "*norm*",
+            "--s3-endpoint",
+            "http://127.0.0.1:9000",
+            "--s3-part-size",
+            "16M",
         ]
     )
     options = job_options(args)
@@ -86,6 +90,8 @@ def test_every_consolidate_option_is_passed_on():
         adapter="torchtitan",
         hf_assets="assets",
         keep_dtype=("*norm*",),
+        s3_endpoint="http://127.0.0.1:9000",
+        s3_part_size=16 << 20,
         sync=False,
         progress=3.0,
         verbose=True,

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import InputError
+from .upload_parts import DEFAULT_PART_SIZE, MAX_PART, MIN_PART
 
 #: Every choice and default of the job's options, here once: ``Options``, its checks and the command line use them.
 #: The first of each tuple is the default.
@@ -133,6 +134,16 @@ class Options:
     keep_dtype: tuple[str, ...] = _option(
         (), "Glob patterns (on the output name): with ``dtype``, tensors matching one keep their saved dtype."
     )
+    s3_endpoint: str | None = _option(
+        None,
+        "The S3 API endpoint for ``s3://`` locations (e.g. ``http://127.0.0.1:9000``). None: boto3's own "
+        "``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``, else AWS.",
+    )
+    s3_part_size: int = _option(
+        DEFAULT_PART_SIZE,
+        "Bytes per part of an ``s3://`` output's multipart uploads (at least 10 MiB; grown for files that would "
+        "need more than 10,000 parts). A rank holds up to three parts in memory besides its buffer.",
+    )
     io_threads: int = _option(
         None,
         f"Background threads per rank for posix writes and kernel copies, overlapping the next block's assembly "
@@ -152,6 +163,8 @@ class Options:
             raise InputError(f"--buffer-size must be positive (got {self.buffer_size})")
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 0:
             raise InputError(f"{IO_THREADS_VARIABLE} must be a whole number of threads, 0 or more (got {self.io_threads!r})")
+        if not 2 * MIN_PART <= self.s3_part_size <= MAX_PART:
+            raise InputError(f"--s3-part-size must be between 10MiB and 5GiB (got {self.s3_part_size} bytes)")
         if self.max_shard_size is not None and self.max_shard_size <= 0:
             raise InputError(f"--max-shard-size must be positive (got {self.max_shard_size})")
         if self.mapping is not None and self.max_shard_size is not None:

@@ -23,6 +23,7 @@ from ..comm.interrupts import install_handlers
 from ..core import messages
 from ..core.errors import InputError, MpiconsError, WriteError
 from ..core.options import BACKENDS, DEFAULT_BUFFER_SIZE, DEFAULT_PROGRESS_SECONDS, DTYPES, FORMATS, SPLITS, Options
+from ..core.upload_parts import DEFAULT_PART_SIZE
 from ..core.version import __version__
 
 if TYPE_CHECKING:
@@ -193,8 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     run = commands.add_parser("consolidate", help="consolidate INPUT_DIR into OUTPUT_DIR")
-    run.add_argument("input_dir", help=_INPUT_HELP)
-    run.add_argument("output_dir", help="where model-IIIII-of-NNNNN.safetensors and the index go")
+    run.add_argument("input_dir", help=_INPUT_HELP + " (a directory or s3://BUCKET/PREFIX)")
+    run.add_argument(
+        "output_dir", help="where model-IIIII-of-NNNNN.safetensors and the index go (a directory or s3://BUCKET/PREFIX)"
+    )
     _add_job_options(run)
     run.set_defaults(func=_cmd_consolidate)
 
@@ -296,6 +299,12 @@ def _add_selection_options(cmd: argparse.ArgumentParser) -> None:
         "its model.safetensors.index.json, if any, decides the output files",
     )
     cmd.add_argument(
+        "--s3-endpoint",
+        metavar="URL",
+        help="the S3 API endpoint for s3:// inputs and outputs, e.g. http://127.0.0.1:9000 "
+        "(default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS)",
+    )
+    cmd.add_argument(
         "--keep-dtype",
         action="append",
         default=[],
@@ -313,6 +322,7 @@ def _selection(args: argparse.Namespace) -> dict[str, Any]:
         "adapter": args.adapter,
         "hf_assets": args.hf_assets,
         "keep_dtype": tuple(args.keep_dtype),
+        "s3_endpoint": args.s3_endpoint,
     }
 
 
@@ -349,6 +359,13 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
         default=DEFAULT_BUFFER_SIZE,
         metavar="SIZE",
         help=f"memory per rank for assembling blocks (default: {_BUFFER_SIZE_TEXT})",
+    )
+    cmd.add_argument(
+        "--s3-part-size",
+        type=parse_size,
+        default=DEFAULT_PART_SIZE,
+        metavar="SIZE",
+        help=f"part size of an s3:// output's multipart uploads (default: {DEFAULT_PART_SIZE >> 20}M)",
     )
     cmd.add_argument("--force", action="store_true", help="replace an existing checkpoint in OUTPUT_DIR")
     cmd.add_argument(
@@ -396,6 +413,7 @@ def job_options(args: argparse.Namespace) -> Options:
         gather_to=args.gather_to,
         sync=args.sync,
         verbose=args.verbose,
+        s3_part_size=args.s3_part_size,
         **_selection(args),
     )
 

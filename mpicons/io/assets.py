@@ -364,3 +364,17 @@ def _copy(src: int, dst: int, source: str, target: str) -> None:
             offset += len(block)
     except OSError as exc:
         raise WriteError(f"{target}: copy from {source} failed ({exc.strerror})") from None
+
+
+def asset_bytes(assets: HFAssets, dtype: str | None) -> dict[str, bytes]:
+    """Each asset's bytes as :func:`stage_assets` would stage them (``dtype`` recorded in ``config.json``),
+    for outputs that are objects rather than files; read with the same bounded, regular-file-only reads."""
+    payloads: dict[str, bytes] = {}
+    for name in assets.files:
+        if name == CONFIG_NAME and dtype is not None and assets.config is not None:
+            payloads[name] = render_config(config_with_dtype(assets.config, dtype))
+        elif name == CONFIG_NAME and assets.config_bytes is not None:
+            payloads[name] = assets.config_bytes
+        else:
+            payloads[name] = _read_file(os.path.join(assets.directory, name))
+    return payloads
