@@ -19,10 +19,12 @@ import numpy as np
 from .byte_sources import ByteSource, Opener, opened, posix_opener
 from .errors import InputError
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, MAX_DIM, MAX_NDIM, PREFIX_SIZE, BadPrefix, header_length, parse_header
-from .names import MAX_SHARD_NUMBER, parse_shard_name
+from .names import DATA_SUFFIX, MAX_SHARD_NUMBER, METADATA_NAME, parse_shard_name
 from .table import DTYPE_BITS, Pieces, Table, shard_files, to_storage_units
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
+#: The suffixes of the files a checkpoint is made of (besides DCP's ``.metadata``).
+INPUT_SUFFIXES = (".safetensors", DATA_SUFFIX)
 #: ``-0`` in a list: an integer to Python, refused by the reference reader's unsigned fields.
 _MINUS_ZERO = re.compile(rb"[\[,][ \t\n\r]*-0")
 
@@ -343,6 +345,17 @@ def list_shards(input_dir: str, allow_empty: bool = False, suffixes: tuple[str, 
     return names
 
 
+def input_files(entries: Sequence[tuple[str, int]]) -> tuple[list[str], list[int]]:
+    """Of a location's ``(name, size)`` entries, the input files: ``.metadata`` first when there is one,
+    then the ``*.safetensors`` and ``*.distcp`` files sorted by name (what a store's listing returns)."""
+    kept = sorted(
+        (name, size) for name, size in entries if name.endswith(INPUT_SUFFIXES) and not name.startswith(".") and "/" not in name
+    )
+    metadata = [(name, size) for name, size in entries if name == METADATA_NAME]
+    both = metadata + kept
+    return [name for name, _ in both], [size for _, size in both]
+
+
 def relabel(local: LocalTable, names: list[str]) -> Pieces:
     """``local``'s pieces with tensor ids into the global, sorted ``names``."""
     position = {name: i for i, name in enumerate(names)}
@@ -374,4 +387,14 @@ def read_table(directory: str, names: Sequence[str] | None = None) -> Table:
     return Table(files, tensor_names, pieces, misaligned)
 
 
-__all__ = ["SHARDING_KEY", "LocalTable", "read_file", "read_headers", "list_shards", "relabel", "read_table"]
+__all__ = [
+    "SHARDING_KEY",
+    "INPUT_SUFFIXES",
+    "LocalTable",
+    "input_files",
+    "read_file",
+    "read_headers",
+    "list_shards",
+    "relabel",
+    "read_table",
+]

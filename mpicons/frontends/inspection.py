@@ -33,6 +33,7 @@ from ..core.reports import Problem, human_bytes, skipped_entries
 from ..core.reports import count_of as _count
 from ..core.split import SPLITS
 from ..core.table import ShardFiles
+from ..io.s3 import is_s3
 from ..job.adaptation import convert_scanned, load_adapter
 from ..job.consolidation import layout_of, load_mapping, mapping_of
 from ..job.scan import distribute, scan, select
@@ -265,7 +266,9 @@ def inspect(
     comm = as_communicator(comm)
     options = (options or Options()).with_changes(**changes)
     input_dir = os.fspath(input_dir)
-    agree_arguments(comm, "inspect", input=os.path.abspath(input_dir), options=options, ranks=ranks)
+    agree_arguments(
+        comm, "inspect", input=input_dir if is_s3(input_dir) else os.path.abspath(input_dir), options=options, ranks=ranks
+    )
     ranks = comm.size if ranks is None else ranks
     if type(ranks) is not int or ranks < 1:
         raise InputError(f"ranks must be a positive integer (got {ranks!r})")
@@ -273,7 +276,9 @@ def inspect(
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
     adapter = load_adapter(comm, options)
     # Tensors with pieces the scan cannot read are listed as problems, each of them, not raised.
-    scanned = select(scan(input_dir, comm, listing=True), options.include, options.exclude, options.strip_prefix)
+    scanned = select(
+        scan(input_dir, comm, listing=True, endpoint=options.s3_endpoint), options.include, options.exclude, options.strip_prefix
+    )
     saved_names = scanned.names
     if adapter.rules is not None:
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)

@@ -39,11 +39,12 @@ from ..core.parts import Part
 from ..core.planner import build_layout
 from ..core.reports import Problem
 from ..io.hdf5 import HDF5_NAME
+from ..io.s3 import is_s3
 from ..io.sources import SourceFiles
 from ..job.adaptation import convert_scanned, load_adapter
 from ..job.consolidation import check_buffer_fits
 from ..job.exchange import ExchangeWriter
-from ..job.scan import Scanned, distribute, scan, select
+from ..job.scan import Scanned, distribute, open_sources, scan, select
 from .output_reading import MAX_INDEX_SIZE, OutputFiles, check_file, list_output, open_regular
 
 
@@ -127,7 +128,7 @@ def _compare_share(
     """This rank's rows of the comparable tensors, assembled from the shards and compared; differences per tensor."""
     part.items = [item for item in part.items if item.tensor in comparable]
     out_names = sorted({located[layout.tensors[t].name].file for t in comparable})
-    sources, outputs = SourceFiles(scanned.directory, scanned.files.names), OutputFiles(output_dir, out_names, follow_links)
+    sources, outputs = open_sources(scanned), OutputFiles(output_dir, out_names, follow_links)
     checker = _Checker(layout, located, outputs, {name: i for i, name in enumerate(out_names)})
     try:
         if scanned.shared:
@@ -206,7 +207,8 @@ def verify(
     output_dir = os.fspath(output_dir)
     against = None if against is None else os.fspath(against)
     agree_arguments(
-        comm, "verify", output=os.path.abspath(output_dir), against=against and os.path.abspath(against),
+        comm, "verify", output=os.path.abspath(output_dir),
+        against=against and (against if is_s3(against) else os.path.abspath(against)),
         options=options, follow_links=follow_links,
     )  # fmt: skip
     check_buffer_fits(comm, options.buffer_size)
@@ -257,7 +259,7 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
     """Every tensor of the shards in ``against`` compared with the output; the counts go into ``report``."""
     output_dir, located = checked.output_dir, checked.located
     adapter = load_adapter(comm, options)
-    scanned = select(scan(against, comm), options.include, options.exclude, options.strip_prefix)
+    scanned = select(scan(against, comm, endpoint=options.s3_endpoint), options.include, options.exclude, options.strip_prefix)
     if adapter.rules is not None:  # the shards' tensors as the adapter made them
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
     views = None if scanned.conversion is None else scanned.conversion.views()

@@ -151,7 +151,7 @@ class PosixOutput(_Output, CachedHandles):
     def _copy(
         self, sources: SourceFiles, src: int, src_offset: int, file: int, offset: int, length: int, bounce: np.ndarray
     ) -> None:
-        if self._copy_range:
+        if self._copy_range and sources.local:  # sources in an object store have no descriptor
             src_fd, dst_fd = sources.fd(src), self._fd(file)
             done = 0
             try:

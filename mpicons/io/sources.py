@@ -84,6 +84,9 @@ class CachedHandles:
 class SourceFiles(CachedHandles):
     """Read-only handles on the shard files, opened on first use and kept in a bounded cache."""
 
+    #: Files of this machine's filesystems, with descriptors (``fd``) the kernel can copy from.
+    local = True
+
     def __init__(self, directory: str, names: Sequence[str], max_open: int = 256) -> None:
         self.directory = directory
         self.names = names

@@ -20,7 +20,7 @@ from ..core.errors import InputError
 from ..core.layout import Layout
 from ..core.parts import Part, Replicas
 from ..io.sources import SourceFiles
-from .scan import Scanned, exchange
+from .scan import Scanned, exchange, open_sources
 
 _REQUEST = np.dtype([("row", "<i8"), ("owner", "<i4"), ("file", "<i4"), ("begin", "<i8"), ("nbytes", "<i8")])
 _REPLY = np.dtype([("row", "<i8"), ("digest", "u1", (32,))])
@@ -72,7 +72,7 @@ def check_replicas(comm: Comm, scanned: Scanned, layout: Layout, part: Part, buf
     mine = exchange(comm, requests, replicas.holder if replicas is not None else np.zeros(0, dtype=np.int32))
 
     def digest_mine() -> np.ndarray:
-        sources = SourceFiles(scanned.directory, scanned.files.names)
+        sources = open_sources(scanned)
         try:
             return hash_ranges(sources, mine, np.empty(max(1 << 16, buffer_size // 2), dtype=np.uint8))
         finally:

@@ -14,7 +14,6 @@ import fnmatch
 import gc
 import hashlib
 import json
-import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -40,6 +39,9 @@ from ..core.parts import Part
 from ..core.problems import Problems
 from ..core.reports import count_of
 from ..core.table import Pieces, ShardFiles, dense_strides, shard_files, to_storage_units
+from ..io.inputs import InputStore, PosixInputs, open_inputs
+from ..io.s3 import is_s3
+from ..io.sources import SourceFiles
 
 #: Largest message per destination in one round of the piece exchange (MPI counts are C ints).
 EXCHANGE_LIMIT = 1 << 29
@@ -49,7 +51,7 @@ EXCHANGE_LIMIT = 1 << 29
 class Scanned:
     """What the scan found: the files and tensors (the same on every rank), this rank's pieces, the facts."""
 
-    directory: str  # this rank's input directory ({rank} resolved)
+    directory: str  # this rank's input directory ({rank} resolved), or the s3:// URL
     files: ShardFiles
     names: list[str]
     pieces: Pieces  # the pieces of the headers this rank read, storage units
@@ -64,6 +66,8 @@ class Scanned:
     listing: bool = False
     #: A model adapter's conversion, when one was applied (names and pieces are then the outputs').
     conversion: Conversion | None = None
+    #: Where the files are read from (:func:`open_sources`); None: the directory ``directory``.
+    inputs: InputStore | None = None
 
     @property
     def shared(self) -> bool:
@@ -75,13 +79,33 @@ def rank_directory(input_dir: str, rank: int) -> str:
     return input_dir.replace("{rank}", str(rank))
 
 
-def _listing(directory: str) -> tuple[list[str], list[int]]:
-    """A directory's input files: ``*.safetensors``, ``*.distcp`` and ``.metadata`` (which of them is the
-    checkpoint is decided once every rank's listing is in: node-local disks may hold ``.metadata`` on one node)."""
-    names = list_shards(directory, allow_empty=True, suffixes=(".safetensors", DATA_SUFFIX))
-    if os.path.isfile(os.path.join(directory, METADATA_NAME)):
-        names.insert(0, METADATA_NAME)
-    return names, [os.path.getsize(os.path.join(directory, n)) for n in names]
+def open_store(comm: Comm, input_dir: str, endpoint: str | None = None) -> InputStore:
+    """This rank's store of ``input_dir``: its directory ({rank} resolved), or the ``s3://`` location.
+
+    For S3, every rank makes its client and rank 0 checks that the bucket can be read, in agreed
+    steps: wrong credentials, a missing bucket or an unreachable endpoint are bad input on every
+    rank before any work. ``endpoint``: the S3 API's (``--s3-endpoint``), else boto3's own variables.
+    """
+    if not is_s3(input_dir):
+        return PosixInputs(rank_directory(input_dir, comm.rank))
+
+    def make() -> InputStore:
+        if "{rank}" in input_dir:
+            raise InputError(
+                f"{input_dir}: {{rank}} names each rank's own directory of node-local shards; every rank reads "
+                "an s3:// location alike: give it without {rank}"
+            )
+        return open_inputs(input_dir, endpoint)
+
+    store = agree(comm, make)
+    agree(comm, lambda: store.check_access() if comm.rank == 0 else None)
+    return store
+
+
+def open_sources(scanned: Scanned) -> SourceFiles:
+    """The engine's source files of a scan (its files by their ids), from wherever the scan read them."""
+    inputs = scanned.inputs if scanned.inputs is not None else PosixInputs(scanned.directory)
+    return inputs.sources(scanned.files.names)
 
 
 def _inputs_of(
@@ -99,18 +123,23 @@ def _inputs_of(
     return [names[i] for i in keep], [sizes[i] for i in keep], None if holders is None else [holders[i] for i in keep]
 
 
-def discover(input_dir: str, comm: Comm) -> tuple[list[str], list[int], list[np.ndarray] | None]:
+def discover(input_dir: str, comm: Comm, store: InputStore | None = None) -> tuple[list[str], list[int], list[np.ndarray] | None]:
     """Every shard file name and size, and which ranks can read each (None: all of them).
 
     One rank per host lists the directory (every rank when ``{rank}`` is in the path), so node-local
     disks are seen as they are; the same name and size on several ranks is one file. When every
     listing is the same (a shared filesystem), only digests cross the network and rank 0's listing.
+    A shared store (``s3://``) is listed by rank 0 alone.
     """
-    directory = rank_directory(input_dir, comm.rank)
+    store = store if store is not None else PosixInputs(rank_directory(input_dir, comm.rank))
+    directory = store.location
+    if store.shared:
+        names, sizes = comm.bcast(agree(comm, lambda: store.list() if comm.rank == 0 else None), root=0)
+        return agree(comm, lambda: _inputs_of(directory, names, sizes, None))
     hosts = comm.allgather(host_name())
     per_rank = "{rank}" in input_dir
     leader = [r if per_rank else hosts.index(hosts[r]) for r in range(comm.size)]
-    listing = agree(comm, lambda: _listing(directory) if leader[comm.rank] == comm.rank else None)
+    listing = agree(comm, lambda: store.list() if leader[comm.rank] == comm.rank else None)
     digest = None if listing is None else hashlib.sha256(json.dumps(listing).encode()).hexdigest()
     digests = comm.allgather(digest)
     if len({d for d in digests if d is not None}) == 1:
@@ -152,20 +181,29 @@ def _union(a: list[str], b: list[str]) -> list[str]:
     return sorted(set(a) | set(b))
 
 
-def scan(input_dir: str, comm: Comm, listing: bool = False) -> Scanned:
+def scan(
+    input_dir: str, comm: Comm, listing: bool = False, endpoint: str | None = None, store: InputStore | None = None
+) -> Scanned:
     """Find the shards and read every header once, split over ``comm``; the facts are the same on every rank.
 
+    ``input_dir``: a directory (``{rank}`` in it: each rank's own) or an ``s3://bucket/prefix``
+    (``endpoint``: the S3 API's; ``store``: the location already opened by :func:`open_store`).
     ``.distcp`` pieces that cannot be read are left out and their tensors kept in ``unreadable``:
     :func:`select` refuses those it keeps, all named at once, unless ``listing`` (``inspect``).
     """
-    names, sizes, holders = discover(input_dir, comm)
+    store = store if store is not None else open_store(comm, input_dir, endpoint)
+    names, sizes, holders = discover(input_dir, comm, store)
     if METADATA_NAME in names:
-        return _scan_distcp(input_dir, comm, names, sizes, holders, listing)
+        return _scan_distcp(store, comm, names, sizes, holders, listing)
     files = shard_files(names, sizes, holders)
     readers = assign_readers(holders, len(names), comm.size)
     mine = np.flatnonzero(readers == comm.rank)
-    directory = rank_directory(input_dir, comm.rank)
-    local = agree(comm, lambda: read_headers(directory, [names[f] for f in mine], mine.tolist(), comm.rank))
+    directory = store.location
+    size_of = dict(zip(names, sizes))
+    local = agree(
+        comm,
+        lambda: read_headers(lambda name: store.open(name, size_of[name]), [names[f] for f in mine], mine.tolist(), comm.rank),
+    )
     # Per-file facts (data start, DCP flag) from their readers: one small Allreduce each.
     starts = np.zeros(len(names), dtype=np.int64)
     dcp = np.zeros(len(names), dtype=np.int64)
@@ -181,7 +219,7 @@ def scan(input_dir: str, comm: Comm, listing: bool = False) -> Scanned:
     facts = reduce_facts(comm, pieces, len(tensor_names), width, piece_destinations(files), misaligned)
     del local
     release_memory()
-    return Scanned(directory, files, tensor_names, pieces, facts)
+    return Scanned(directory, files, tensor_names, pieces, facts, inputs=store)
 
 
 # ---------------------------------------------------------------- DCP's default format
@@ -202,22 +240,26 @@ def _item_records(width: int) -> np.dtype:
     )
 
 
-def _missing_file_message(directory: str, name: str) -> str:
-    return f"{os.path.join(directory, METADATA_NAME)}: names data file {name!r}, which no rank sees"
+def _missing_file_message(store: InputStore, name: str) -> str:
+    return f"{store.path(METADATA_NAME)}: names data file {name!r}, which no rank sees"
 
 
-def _read_distcp_metadata(directory: str, listed: list[str], listing: bool = False) -> DistcpTable:
-    """``.metadata`` read; a data file it names that no rank sees is bad input, unless ``listing``
-    (``inspect``: the tensors with pieces there are listed as unreadable, the rest described)."""
-    table = read_metadata(os.path.join(directory, METADATA_NAME))
+def _read_distcp_metadata(store: InputStore, listed: list[str], sizes: list[int], listing: bool = False) -> DistcpTable:
+    """``.metadata`` read (whole, in one read); a data file it names that no rank sees is bad input, unless
+    ``listing`` (``inspect``: the tensors with pieces there are listed as unreadable, the rest described)."""
+    source = store.open(METADATA_NAME, sizes[listed.index(METADATA_NAME)])
+    try:
+        table = read_metadata(source)
+    finally:
+        source.close()
     present = set(listed)
     for name in table.files:
         if name not in present and not listing:
-            raise InputError(_missing_file_message(directory, name))
+            raise InputError(_missing_file_message(store, name))
     return table
 
 
-def _missing_files(table: DistcpTable, directory: str, listed: list[str]) -> dict[str, str]:
+def _missing_files(table: DistcpTable, store: InputStore, listed: list[str]) -> dict[str, str]:
     """Per tensor with a piece in a data file no rank sees, that problem (the first such file)."""
     present = set(listed)
     missing = [f for f, name in enumerate(table.files) if name not in present]
@@ -226,13 +268,13 @@ def _missing_files(table: DistcpTable, directory: str, listed: list[str]) -> dic
         return problems
     for t, f in zip(table.tensor[np.isin(table.file, missing)].tolist(), table.file[np.isin(table.file, missing)].tolist()):
         problems.setdefault(
-            table.names[t], f"{_missing_file_message(directory, table.files[f])} (tensor {table.names[t]!r} has pieces there)"
+            table.names[t], f"{_missing_file_message(store, table.files[f])} (tensor {table.names[t]!r} has pieces there)"
         )
     return problems
 
 
 def _scan_distcp(
-    input_dir: str,
+    store: InputStore,
     comm: Comm,
     names: list[str],
     sizes: list[int],
@@ -241,11 +283,11 @@ def _scan_distcp(
 ) -> Scanned:
     """``.metadata`` read by one rank that sees it; each piece sent to the reader of its data file, which
     finds the piece's bytes inside its item (``torch.save`` archive or safetensors blob)."""
-    directory = rank_directory(input_dir, comm.rank)
+    directory = store.location
     meta = names.index(METADATA_NAME)
     owner = 0 if holders is None else int(holders[meta][0])
-    table = agree(comm, lambda: _read_distcp_metadata(directory, names, listing) if comm.rank == owner else None)
-    missing = {} if table is None else _missing_files(table, directory, names)
+    table = agree(comm, lambda: _read_distcp_metadata(store, names, sizes, listing) if comm.rank == owner else None)
+    missing = {} if table is None else _missing_files(table, store, names)
     tensors: Any = comm.bcast(
         None
         if table is None
@@ -256,6 +298,7 @@ def _scan_distcp(
     # A data file no rank sees (inspect only) is read by nobody: its records are dropped below.
     listed = [names.index(f) if f in names else -1 for f in data_files]
     data_holders = None if holders is None else [holders[i] if i >= 0 else np.array([owner]) for i in listed]
+    data_sizes = [sizes[i] if i >= 0 else 0 for i in listed]
     readers = assign_readers(data_holders, len(data_files), comm.size)
     width = size.shape[1]
     records = np.empty(0 if table is None else len(table.tensor), dtype=_item_records(width))
@@ -270,7 +313,7 @@ def _scan_distcp(
     del table
     mine = exchange(comm, records, destination)
     del records
-    begins, problems, strides = agree(comm, lambda: _locate_items(directory, data_files, tensor_names, mine))
+    begins, problems, strides = agree(comm, lambda: _locate_items(store, data_files, data_sizes, tensor_names, mine))
     problems = comm.allreduce_object(problems, _first_per_tensor)
     problems = {**problems, **{name: message for name, message in missing.items() if name not in problems}}
     if problems:
@@ -289,7 +332,7 @@ def _scan_distcp(
         holder=np.full(len(mine), comm.rank, dtype=np.int32),
         stride=strides,
     )
-    files = _distcp_files(data_files, [sizes[i] if i >= 0 else 0 for i in listed], data_holders)
+    files = _distcp_files(data_files, data_sizes, data_holders)
     misaligned = to_storage_units(pieces)
     facts = reduce_facts(comm, pieces, len(tensor_names), width, piece_destinations(files), misaligned)
     never = np.flatnonzero(facts.count == 0)  # tensors with no stored piece: the metadata's dtype and rank
@@ -297,7 +340,16 @@ def _scan_distcp(
     facts.declared = size
     release_memory()
     return Scanned(
-        directory, files, tensor_names, pieces, facts, skipped=list(skipped), order=order, unreadable=problems, listing=listing
+        directory,
+        files,
+        tensor_names,
+        pieces,
+        facts,
+        skipped=list(skipped),
+        order=order,
+        unreadable=problems,
+        listing=listing,
+        inputs=store,
     )
 
 
@@ -328,7 +380,7 @@ def _unreadable_summary(problems: dict[str, str]) -> str:
 
 
 def _locate_items(
-    directory: str, data_files: list[str], names: list[str], records: np.ndarray
+    store: InputStore, data_files: list[str], sizes: list[int], names: list[str], records: np.ndarray
 ) -> tuple[np.ndarray, dict[str, str], np.ndarray | None]:
     """Where each received piece's bytes begin in its data file (one pass over each file's items), the
     first problem of each tensor whose pieces cannot be read, and every piece's strides when some
@@ -349,7 +401,11 @@ def _locate_items(
             )
             for r in records[at]
         ]
-        begins[at], found, views = locate_all(os.path.join(directory, data_files[int(f)]), items)
+        source = store.open(data_files[int(f)], sizes[int(f)])
+        try:
+            begins[at], found, views = locate_all(source, items)
+        finally:
+            source.close()
         for problem in found:
             problems.setdefault(problem.tensor, problem.message)
         if views and strides is None:
@@ -539,4 +595,15 @@ def _missing_hint(names: Sequence[str]) -> str:
     return f"; shard files missing from the set (seen by no rank): {', '.join(shown)}{more}"
 
 
-__all__ = ["Scanned", "scan", "distribute", "discover", "rank_directory", "reduce_facts", "exchange", "list_shards"]
+__all__ = [
+    "Scanned",
+    "scan",
+    "open_store",
+    "open_sources",
+    "distribute",
+    "discover",
+    "rank_directory",
+    "reduce_facts",
+    "exchange",
+    "list_shards",
+]

@@ -1,0 +1,92 @@
+"""Where the checkpoint is read from: a directory or an ``s3://bucket/prefix`` (no MPI here).
+
+An :class:`InputStore` lists the input files of one location, opens one as a
+:class:`~mpicons.core.byte_sources.ByteSource` for the header readers, and gives the engine its
+source files (:class:`~mpicons.io.sources.SourceFiles`: ``read_into`` / ``path`` / ``close``). The
+scan and the writers ask the store, never the filesystem, so an object store is one more store
+(:mod:`mpicons.io.s3_sources`, imported only for an ``s3://`` location).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Protocol
+
+from ..core.byte_sources import ByteSource, PosixSource
+from ..core.headers import INPUT_SUFFIXES, list_shards
+from ..core.names import METADATA_NAME
+from .s3 import is_s3
+from .sources import SourceFiles
+
+
+class InputStore(Protocol):
+    """The input files of one location (a directory, a bucket's prefix)."""
+
+    #: The directory or URL, for messages.
+    location: str
+    #: Every rank sees the same files (an object store): one rank lists them. False: each host lists
+    #: what it sees (node-local disks), and the listings are merged.
+    shared: bool
+
+    def path(self, name: str) -> str:
+        """The path or URL of input file ``name``, for messages."""
+        ...
+
+    def check_access(self) -> None:
+        """Bad input (InputError) when the location cannot be read at all: before any work."""
+        ...
+
+    def list(self) -> tuple[list[str], list[int]]:
+        """The input files' names and sizes: ``*.safetensors``, ``*.distcp``, and ``.metadata`` first when there is one."""
+        ...
+
+    def open(self, name: str, size: int | None = None) -> ByteSource:
+        """Input file ``name`` for ranged reads; ``size`` is its listed size (an object store needs it)."""
+        ...
+
+    def sources(self, names: Sequence[str]) -> SourceFiles:
+        """The engine's source files: ``names`` by their index (the scan's file ids)."""
+        ...
+
+
+class PosixInputs:
+    """A directory of a filesystem (each rank's own when ``{rank}`` was resolved in it)."""
+
+    shared = False
+
+    def __init__(self, directory: str) -> None:
+        self.location = directory
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.location, name)
+
+    def check_access(self) -> None:
+        """Nothing to check beforehand: listing the directory says what is wrong with it."""
+
+    def list(self) -> tuple[list[str], list[int]]:
+        """The directory's input files (which of them is the checkpoint is decided once every rank's
+        listing is in: node-local disks may hold ``.metadata`` on one node)."""
+        names = list_shards(self.location, allow_empty=True, suffixes=INPUT_SUFFIXES)
+        if os.path.isfile(self.path(METADATA_NAME)):
+            names.insert(0, METADATA_NAME)
+        return names, [os.path.getsize(self.path(n)) for n in names]
+
+    def open(self, name: str, size: int | None = None) -> ByteSource:
+        return PosixSource(self.path(name))
+
+    def sources(self, names: Sequence[str]) -> SourceFiles:
+        return SourceFiles(self.location, names)
+
+
+def open_inputs(location: str, endpoint: str | None = None) -> InputStore:
+    """The store of ``location``: an ``s3://`` URL (``endpoint``: the S3 API's, else boto3's own
+    variables), else a directory ({rank} already resolved)."""
+    if is_s3(location):
+        from .s3_sources import S3Inputs
+
+        return S3Inputs(location, endpoint)
+    return PosixInputs(location)
+
+
+__all__ = ["InputStore", "PosixInputs", "open_inputs"]

@@ -1,0 +1,86 @@
+"""Reading a checkpoint from ``s3://bucket/prefix`` (no MPI here): ranged GETs through one client.
+
+Every rank makes one :class:`~mpicons.io.s3.S3Client` for the input and shares it between the
+header reads and the engine's reads (boto3's clients are thread-safe, so the writer's I/O threads
+use it too). The header readers ask for a few large ranges; the engine's reads are its coalesced
+runs, each one ranged GET (or a few, for a long run) straight into its buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..core.byte_sources import ByteSource
+from ..core.headers import input_files
+from .s3 import S3Client, S3Location
+from .sources import SourceFiles
+
+
+class S3Object:
+    """One object as a :class:`~mpicons.core.byte_sources.ByteSource`: ``read_at`` is a ranged GET."""
+
+    def __init__(self, client: S3Client, key_name: str, size: int) -> None:
+        self.client, self.key_name, self.size = client, key_name, size
+        self.name = client.location.url(key_name)
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        length = min(length, self.size - offset)  # a range past the end is an error to S3, a short read here
+        return self.client.read(self.key_name, offset, length) if length > 0 else b""
+
+    def close(self) -> None:
+        """Nothing to release: the client is the store's."""
+
+
+class S3SourceFiles(SourceFiles):
+    """The engine's source files in a bucket: reads are ranged GETs into the engine's buffers."""
+
+    local = False  # no descriptors: outputs copy through their bounce buffers
+
+    def __init__(self, client: S3Client, names: Sequence[str]) -> None:
+        super().__init__(client.location.url(), names)
+        self.client = client
+
+    def path(self, file: int) -> str:
+        return self.client.location.url(self.names[file])
+
+    def fd(self, file: int) -> int:
+        """No descriptor to open ahead (a GET needs none): -1."""
+        return -1
+
+    def read_into(self, file: int, offset: int, target: memoryview) -> None:
+        """Fill ``target`` with the bytes at ``offset`` of object ``file`` (a short object is a WriteError)."""
+        if len(target):
+            self.client.read_into(self.names[file], offset, target)
+
+    def close(self) -> None:
+        """Nothing to close: the client's connections are reused by the next reads."""
+
+
+class S3Inputs:
+    """The input files under ``s3://bucket/prefix``: listed by one rank, read by every rank through its one client."""
+
+    shared = True
+
+    def __init__(self, url: str, endpoint: str | None = None) -> None:
+        self.client = S3Client(S3Location.parse(url), endpoint)
+        self.location = self.client.location.url()
+
+    def path(self, name: str) -> str:
+        return self.client.location.url(name)
+
+    def check_access(self) -> None:
+        self.client.check_access(write=False)
+
+    def list(self) -> tuple[list[str], list[int]]:
+        return input_files(self.client.list())
+
+    def open(self, name: str, size: int | None = None) -> ByteSource:
+        if size is None:
+            raise ValueError(f"{self.path(name)}: an object is opened with its listed size")
+        return S3Object(self.client, name, size)
+
+    def sources(self, names: Sequence[str]) -> SourceFiles:
+        return S3SourceFiles(self.client, names)
+
+
+__all__ = ["S3Object", "S3SourceFiles", "S3Inputs"]
