@@ -212,6 +212,14 @@ def test_inspect_of_s3_describes_the_same_checkpoint(layout: str, tmp_path: Path
     assert in_bucket == on_disk and in_bucket["ok"]
 
 
+def test_verify_compares_with_the_shards_in_s3(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
+    local = sample(tmp_path / "in", "torch_save")
+    url = upload(s3_endpoint, s3_bucket, local, "verify")
+    mpicons.consolidate(local, tmp_path / "out")
+    report = mpicons.verify(tmp_path / "out", against=url, s3_endpoint=s3_endpoint)
+    assert report.ok and not report.problems
+
+
 def test_the_cli_reads_s3_by_the_endpoint_variable(
     tmp_path: Path, s3_endpoint: str, s3_bucket: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
