@@ -33,6 +33,8 @@ LAYERS: dict[str, set[str]] = {
 #: The only modules that import mpi4py, and the only ones that import torch.
 MPI_MODULES = {"mpicons.comm.mpi", "mpicons.io.mpiio"}
 TORCH_MODULES = {"mpicons.comm.torch_group", "mpicons.frontends.torch_dropin", "mpicons.torch"}
+#: The only module that imports a storage client (boto3, botocore).
+S3_MODULES = {"mpicons.io.s3"}
 
 
 def _module_name(path: Path) -> str:
@@ -143,6 +145,8 @@ def test_each_module_imports_only_its_layer_and_lower_ones(module: str) -> None:
         assert module in MPI_MODULES, f"{module} imports mpi4py (only {sorted(MPI_MODULES)} may)"
     if "torch" in libraries:
         assert module in TORCH_MODULES, f"{module} imports torch (only {sorted(TORCH_MODULES)} may)"
+    if libraries & {"boto3", "botocore"}:
+        assert module in S3_MODULES, f"{module} imports a storage client (only {sorted(S3_MODULES)} may)"
 
 
 def test_the_import_graph_has_no_cycle() -> None:
@@ -261,6 +265,7 @@ def test_one_process_consolidates_without_mpi(tmp_path: Path) -> None:
         "from mpicons.comm import SingleProcess\n"
         f"result = mpicons.consolidate({str(FIXTURES / 'tp2d-4ranks' / 'sharded')!r}, {str(out)!r}, comm=SingleProcess())\n"
         "assert result.stats.ranks == 1 and 'mpi4py.MPI' not in sys.modules\n"
+        "assert not {'boto3', 'botocore'} & set(sys.modules), 'a storage client loaded for local files'\n"
         "print('ok')\n"
     )
     _prints_ok(code)

@@ -188,3 +188,16 @@ def test_the_command_line_writes_to_s3(sharded, s3_endpoint, s3_bucket, tmp_path
     got = _download(s3server.client(s3_endpoint), s3_bucket, "hf", tmp_path / "got")
     assert_consolidated(got, sample_expected(CONFIG), expected_mapping(CONFIG))
     assert os.environ["AWS_ACCESS_KEY_ID"] == s3_env["AWS_ACCESS_KEY_ID"]
+
+
+def test_a_bug_on_one_rank_aborts_every_upload_before_the_job_is_aborted(sharded, s3_endpoint, s3_bucket, s3_env):
+    """Outside any phase nothing is agreed: the failing rank aborts the run's uploads itself (every rank
+    knows their ids), then the runner aborts the job; the lock stays, as for any run killed outright."""
+    inject = Path(__file__).parent / "scripts" / "inject.py"
+    args = ["bug-before-s3-commit", "1", "--", "consolidate", sharded, f"s3://{s3_bucket}/hf", "--s3-endpoint", s3_endpoint]
+    proc = start(2, inject, *args, env=subprocess_env())
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "injected bug before the S3 commit" in stderr, stderr
+    s3 = s3server.client(s3_endpoint)
+    assert set(_objects(s3, s3_bucket, "hf")) <= {".mpicons.lock"}
+    assert _open_uploads(s3, s3_bucket) == []

@@ -41,6 +41,27 @@ def test_sbatch_script_runs_with_mpiexec_in_place_of_srun(tmp_path):
     assert_consolidated(out, expected, index_weight_map(mapping))
 
 
+def test_sbatch_script_writes_to_s3(tmp_path, s3_endpoint, s3_bucket):
+    """An s3:// output passes the script's path checks (mpicons checks access itself) and is uploaded."""
+    import s3server
+
+    proc = subprocess.run(
+        ["bash", str(ROOT / "slurm" / "consolidate.sbatch"), str(INPUT), f"s3://{s3_bucket}/hf", "--s3-endpoint", s3_endpoint],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(MPICONS_LAUNCH=f"{MPIEXEC} -n 2"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    s3 = s3server.client(s3_endpoint)
+    got = tmp_path / "got"
+    got.mkdir()
+    for item in s3.list_objects_v2(Bucket=s3_bucket, Prefix="hf/")["Contents"]:
+        (got / item["Key"][3:]).write_bytes(s3.get_object(Bucket=s3_bucket, Key=item["Key"])["Body"].read())
+    expected, mapping = fixture_expected("edge-3ranks")
+    assert_consolidated(got, expected, index_weight_map(mapping))
+
+
 def test_sbatch_script_passes_failure_through(tmp_path):
     (tmp_path / "empty").mkdir()  # passes the script's checks; mpicons finds no checkpoint in it
     proc = subprocess.run(

@@ -22,16 +22,20 @@ from ..core.options import DEFAULT_BUFFER_SIZE, DTYPE_TARGETS, FORMATS, Options
 from ..core.parts import Part
 from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
 from ..core.problems import Problems
+from ..core.upload_parts import MIN_PART, align_work
 from ..io.backends import open_output
 from ..io.formats import OutputFormat, output_format
+from ..io.inputs import InputStore
 from ..io.outdir import OutputDir
 from ..io.outputs import OutputBackend
+from ..io.s3 import is_s3
 from ..io.sources import SourceFiles
 from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter
 from .exchange import ExchangeWriter
 from .progress import Progress
 from .replicas import check_replicas
-from .scan import Scanned, distribute, rank_directory, scan, select
+from .s3_publish import S3Publish, check_s3_options
+from .scan import Scanned, distribute, open_sources, open_store, rank_directory, scan, select
 from .stats import PhaseClock, Stats, reduce_stats
 from .writer import Writer
 
@@ -147,10 +151,14 @@ def check_buffer_fits(comm: Comm, buffer_size: int) -> None:
     agree(comm, lambda: check_buffer_size(buffer_size, hosts.count(hosts[comm.rank])))
 
 
-def scan_inputs(input_dir: str, comm: Comm, options: Options, adapter: Adapter | None = None) -> Scanned:
-    """The scan of ``input_dir`` with the tensors ``options`` select (include, exclude, strip_prefix),
-    converted by the adapter's rules when there are any."""
-    scanned = select(scan(input_dir, comm), options.include, options.exclude, options.strip_prefix)
+def scan_inputs(
+    input_dir: str, comm: Comm, options: Options, adapter: Adapter | None = None, store: InputStore | None = None
+) -> Scanned:
+    """The scan of ``input_dir`` (through ``store`` when it is open already) with the tensors ``options``
+    select (include, exclude, strip_prefix), converted by the adapter's rules when there are any."""
+    scanned = select(
+        scan(input_dir, comm, endpoint=options.s3_endpoint, store=store), options.include, options.exclude, options.strip_prefix
+    )
     if adapter is not None and adapter.rules is not None:
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
     return scanned
@@ -170,26 +178,35 @@ def layout_of(
     mapping: dict[str, str] | None,
     problems: Problems | None = None,
     gather_to: int | None = None,
+    min_part: int = 0,
 ) -> Layout:
     """The layout of what the scan found, for ``ranks`` writers and these options (pure); ``gather_to``
     gives all the work to that rank.
 
     Inputs that name no output files (``.distcp``) are sharded like Hugging Face's ``save_pretrained``
     (5GB files in the order the tensors were saved) unless a mapping or a shard size is given.
+    ``min_part``: the smallest stretch of a file one rank may write (an object store's part), see
+    :func:`~mpicons.core.upload_parts.align_work`.
     """
     max_shard_size = options.max_shard_size
     if max_shard_size is None and mapping is None and scanned.files.source_format == "distcp":
         max_shard_size = HF_MAX_SHARD_SIZE
-    return build_layout(
+    layout = build_layout(
         scanned.files, scanned.names, scanned.facts, ranks, mapping=mapping, split=options.split, dtype=options.dtype,
         max_shard_size=max_shard_size, saved_order=scanned.order, problems=problems, gather_to=gather_to,
         views=None if scanned.conversion is None else scanned.conversion.views(), keep_dtype=options.keep_dtype,
     )  # fmt: skip
+    if min_part:
+        layout.work = align_work(layout, layout.work, min_part)
+    return layout
 
 
-def plan_job(comm: Comm, scanned: Scanned, options: Options, mapping: dict[str, str] | None) -> tuple[Layout, Part]:
-    """The layout (the same on every rank) and this rank's checked part of the pieces."""
-    layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, gather_to=options.gather_to))
+def plan_job(
+    comm: Comm, scanned: Scanned, options: Options, mapping: dict[str, str] | None, min_part: int = 0
+) -> tuple[Layout, Part]:
+    """The layout (the same on every rank) and this rank's checked part of the pieces; ``min_part``
+    for an object-store output (see :func:`layout_of`)."""
+    layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, gather_to=options.gather_to, min_part=min_part))
     agree(comm, lambda: output_format(options.output_format).check(layout))
     part = distribute(comm, scanned, layout)
     # The node-local exchange's blocks (four output slots) are the smallest any writer uses.
@@ -228,8 +245,10 @@ def consolidate(
     options = (options or Options()).with_changes(**changes)
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
     agreed = options.with_changes(io_threads=0)  # background threads are each rank's own affair
-    agree_arguments(comm, "consolidate", input=os.path.abspath(input_dir), output=os.path.abspath(output_dir), options=agreed)
+    agree_arguments(comm, "consolidate", input=_absolute(input_dir), output=_absolute(output_dir), options=agreed)
     check_options(comm, options)
+    if is_s3(output_dir):
+        return _consolidate_to_s3(comm, input_dir, output_dir, options)
     owner = options.gather_to if options.gather_to is not None else 0
     clock = PhaseClock()
     held: list[OutputDir] = []  # the owner's hold on the output directory
@@ -262,6 +281,63 @@ def consolidate(
     return replace(result, adapted=adapted, assets=[] if adapter.assets is None else list(adapter.assets.files))
 
 
+def _absolute(location: str) -> str:
+    """A path made absolute (as every rank must agree on it); an ``s3://`` URL as it is."""
+    return location if is_s3(location) else os.path.abspath(location)
+
+
+def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -> ConsolidateResult:
+    """:func:`consolidate` into ``s3://bucket/prefix``: the same phases, the output uploaded in parts by every
+    rank (:mod:`mpicons.job.s3_publish`); any failure aborts every upload the run opened."""
+    agree(comm, lambda: check_s3_options(options))
+    if _absolute(input_dir).rstrip("/") == url.rstrip("/"):
+        agree(comm, lambda: _refuse(f"{url}: the output is the input; give another prefix for the consolidated checkpoint"))
+    clock = PhaseClock()
+    publish: list[S3Publish] = []
+    try:
+        with clock("scan"):
+            publish.append(agree(comm, lambda: S3Publish(comm, url, options)))
+            mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
+            adapter = load_adapter(comm, options)
+            check_buffer_fits(comm, options.buffer_size)
+            store = open_store(comm, input_dir, options.s3_endpoint)  # an s3:// input's access checked first
+            notes = publish[0].open()
+            scanned = scan_inputs(input_dir, comm, options, adapter, store)
+            mapping = mapping_of(options, mapping, scanned, adapter)
+        with clock("plan"):
+            layout, part = plan_job(comm, scanned, options, mapping, min_part=MIN_PART)
+            assets = [] if adapter.assets is None else list(adapter.assets.files)
+            publish[0].check_names([f.name for f in layout.files] + [INDEX_NAME] + assets)
+        with clock("write"):
+            check_replicas(comm, scanned, layout, part, options.buffer_size)
+            sources = open_sources(scanned)
+            try:
+                written, moved = publish[0].write(
+                    layout, lambda output: _write_share(comm, scanned, layout, part, sources, output, options)
+                )
+            finally:
+                sources.close()
+        with clock("finalize"):
+            publish[0].commit(layout, adapter.assets)
+            forget_pending()
+    except BaseException as exc:
+        if isinstance(exc, MpiconsError):  # agreed: every rank has stopped uploading before the owner aborts
+            wait_for_all(comm)
+        for held in publish:
+            held.abort(everywhere=not isinstance(exc, MpiconsError))
+            held.close()
+        raise
+    publish[0].close()
+    stats = reduce_stats(comm, clock, written, len(layout.files), len(layout.tensors), layout.total_bytes)
+    result = _result(comm, url, options, scanned, layout, stats, written, moved, {}, notes)
+    adapted = [] if scanned.conversion is None else scanned.conversion.summary()
+    return replace(result, adapted=adapted, assets=assets)
+
+
+def _refuse(message: str) -> None:
+    raise InputError(message)
+
+
 def _scan_phase(
     comm: Comm, input_dir: str, output_dir: str, options: Options, owner: int, held: list[OutputDir]
 ) -> tuple[dict[str, str] | None, list[str], Scanned, Adapter]:
@@ -277,11 +353,12 @@ def _scan_phase(
     adapter = load_adapter(comm, options)
     check_output_names(comm, owner, output_dir, mapped_names(mapping))
     check_machine(comm, input_dir, output_dir, options.buffer_size)
+    store = open_store(comm, input_dir, options.s3_endpoint)  # an s3:// input's access checked before anything is made
     notes = agree_on(comm, owner, open_output_dir)
     if comm.rank == 0:
         for note in notes:
             log.info("%s: %s", output_dir, note)
-    return mapping, notes, scan_inputs(input_dir, comm, options, adapter), adapter
+    return mapping, notes, scan_inputs(input_dir, comm, options, adapter, store), adapter
 
 
 def _result(
@@ -353,7 +430,7 @@ def _write(
             durable=options.sync,
         ),
     )
-    sources = SourceFiles(scanned.directory, scanned.files.names)
+    sources = open_sources(scanned)
     try:
         agree(comm, output.create)
         written, moved = agree(comm, lambda: _write_share(comm, scanned, layout, part, sources, output, options))

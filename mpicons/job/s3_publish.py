@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..comm.agreement import Comm, agree, agree_on
 from ..comm.interrupts import deferred, forget_pending, raise_pending
-from ..core.errors import InputError
+from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
 from ..core.options import DTYPE_TARGETS, Options
 from ..core.upload_parts import UploadPlan, check_plan, plan_uploads
@@ -51,6 +51,7 @@ class S3Publish:
         self.destination: S3Destination | None = None
         self.plan: UploadPlan | None = None
         self.upload_ids: list[str] = []
+        self.names: list[str] = []
         self.etags: list[list[str]] = []
 
     def open(self) -> list[str]:
@@ -79,7 +80,7 @@ class S3Publish:
         """Create the uploads (owner), upload this rank's parts through ``write_share``, gather the ETags."""
         plan = self.plan = plan_uploads(layout, layout.work, self.owner, self.options.s3_part_size)
         agree(self.comm, lambda: check_plan(layout, plan))
-        names = [f.name for f in layout.files]
+        names = self.names = [f.name for f in layout.files]
         self.upload_ids = agree_on(self.comm, self.owner, lambda: self._destination().create_uploads(names))
         output = S3Output(self.client, names, [f.header for f in layout.files], plan, self.upload_ids, self.comm.rank)
         try:
@@ -117,10 +118,19 @@ class S3Publish:
 
         agree_on(self.comm, self.owner, commit)
 
-    def abort(self) -> None:
-        """After a failure every rank has agreed on: the owner aborts the open uploads (nothing else to do elsewhere)."""
+    def abort(self, everywhere: bool = False) -> None:
+        """After a failure every rank has agreed on, the owner aborts the open uploads. ``everywhere``: a
+        failure this rank alone has (a bug: the job is about to be aborted, the owner with it), so this
+        rank aborts every upload of the run itself; every rank knows their ids."""
         if self.destination is not None:
             self.destination.abort()
+            return
+        if everywhere:
+            for name, upload_id in zip(self.names, self.upload_ids):
+                try:
+                    self.client.abort_upload(name, upload_id)
+                except MpiconsError:
+                    pass
 
     def close(self) -> None:
         if self.destination is not None:

@@ -165,7 +165,8 @@ class Writer:
 
     def _copy(self, copy: Direct) -> None:
         if self.background.pool is not None:  # handles are opened here, not on the I/O threads
-            self.sources.fd(copy.file)
+            if self.sources.local:
+                self.sources.fd(copy.file)
             self.output.open(copy.out)
         for start in range(0, copy.length, COPY_CHUNK):
             step = min(COPY_CHUNK, copy.length - start)

@@ -71,6 +71,13 @@ elif rank == victim:
             raise RuntimeError("injected bug outside an agreed phase")
 
         mpicons.job.consolidation.reduce_stats = failing_stats
+    elif fault == "bug-before-s3-commit":  # a bug on this rank alone, outside any phase, once the uploads exist
+        import mpicons.job.s3_publish
+
+        def failing_commit(self, *a, **k):
+            raise RuntimeError("injected bug before the S3 commit")
+
+        mpicons.job.s3_publish.S3Publish.commit = failing_commit
     elif fault == "read-error":  # any shard read fails, including reads for other ranks (node-local mode)
         import mpicons.io.sources
 
