@@ -886,3 +886,19 @@ def test_a_tensor_with_elements_still_needs_strides_that_fit_its_storage(tmp_pat
     with pytest.raises(InputError) as error:
         mpicons.consolidate(checkpoint, tmp_path / "out", comm=MPI.COMM_SELF)
     assert "'w'" in str(error.value) and "strides [1, 1]" in str(error.value), str(error.value)
+
+
+def test_a_metadata_beside_safetensors_shards_and_no_distcp_file_says_which_is_read(tmp_path: Path) -> None:
+    """A .metadata makes the directory DCP's default format; beside DCP's Hugging Face layout shards and
+    no .distcp file it is refused naming both, with what to move, before anything is written."""
+    from helpers import FIXTURES, cli
+
+    shards = tmp_path / "shards"
+    shutil.copytree(FIXTURES / "fsdp2-3ranks" / "sharded", shards)
+    shutil.copy(DISTCP_FIXTURES / "fsdp-3ranks" / "dcp" / ".metadata", shards / ".metadata")
+    out = tmp_path / "out"
+    with pytest.raises(mpicons.InputError, match=r"\.metadata .*beside .*safetensors files.*move the \.metadata"):
+        mpicons.consolidate(shards, out)
+    assert not out.exists()
+    proc, _ = cli(1, "inspect", shards)
+    assert proc.returncode == 2 and "move the .metadata" in proc.stderr, proc.stderr

@@ -40,6 +40,7 @@ from ..core.problems import Problems
 from ..core.reports import count_of
 from ..core.table import Pieces, ShardFiles, dense_strides, shard_files, to_storage_units
 from ..io.inputs import InputStore, PosixInputs, open_inputs
+from ..io.journal import describe_names
 from ..io.s3 import is_s3
 from ..io.sources import SourceFiles
 
@@ -114,6 +115,15 @@ def _inputs_of(
     """The files of the checkpoint: with ``.metadata``, it and the ``.distcp`` files; else the ``.safetensors`` files."""
     distcp = METADATA_NAME in names
     keep = [i for i, n in enumerate(names) if (n == METADATA_NAME or n.endswith(DATA_SUFFIX)) == distcp]
+    safetensors = [n for n in names if n.endswith(".safetensors")]
+    if distcp and safetensors and not any(n.endswith(DATA_SUFFIX) for n in names):
+        raise InputError(
+            f"{input_dir}: holds a {METADATA_NAME} (DCP's default format, whose data is in .distcp files) beside "
+            f"{count_of(len(safetensors), 'safetensors file')} ({describe_names(safetensors)}) and no .distcp file. "
+            f"A {METADATA_NAME} makes the directory DCP's default format, so the safetensors files are not read: if they "
+            f"are the checkpoint (DCP's Hugging Face layout writes no {METADATA_NAME}), move the {METADATA_NAME} out of "
+            "the directory; if not, the .distcp files are missing (was the checkpoint copied in part?)"
+        )
     if not keep:
         if any(n.endswith(DATA_SUFFIX) for n in names):
             raise InputError(
