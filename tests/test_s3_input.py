@@ -246,7 +246,8 @@ def test_a_missing_bucket_is_bad_input(tmp_path: Path, s3_endpoint: str, s3_env:
         inspect("s3://no-such-bucket/p", s3_endpoint=s3_endpoint)
 
 
-def test_an_unreachable_endpoint_is_bad_input(tmp_path: Path, s3_env: dict[str, str]) -> None:
+def test_an_unreachable_endpoint_is_bad_input(tmp_path: Path, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # botocore retries a refused connection ten times (about 20 s) by default
     with pytest.raises(InputError, match="cannot reach the S3 endpoint"):
         inspect("s3://ckpt/p", s3_endpoint=f"http://127.0.0.1:{unused_port()}")
 

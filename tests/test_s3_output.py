@@ -161,7 +161,9 @@ def test_sigterm_while_uploading_aborts_every_upload(sharded, s3_endpoint, s3_bu
     assert _open_uploads(s3, s3_bucket) == []
 
 
-@pytest.mark.parametrize("problem", ["credentials", "bucket", "endpoint"])
+@pytest.mark.parametrize(
+    "problem", ["credentials", pytest.param("bucket", marks=pytest.mark.slow), pytest.param("endpoint", marks=pytest.mark.slow)]
+)
 def test_access_problems_are_bad_input_before_any_work(problem, sharded, s3_endpoint, s3_bucket, s3_env, monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "never-printed-secret")
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
@@ -190,6 +192,7 @@ def test_the_command_line_writes_to_s3(sharded, s3_endpoint, s3_bucket, tmp_path
     assert os.environ["AWS_ACCESS_KEY_ID"] == s3_env["AWS_ACCESS_KEY_ID"]
 
 
+@pytest.mark.slow
 def test_a_bug_on_one_rank_aborts_every_upload_before_the_job_is_aborted(sharded, s3_endpoint, s3_bucket, s3_env):
     """Outside any phase nothing is agreed: the failing rank aborts the run's uploads itself (every rank
     knows their ids), then the runner aborts the job; the lock stays, as for any run killed outright."""

@@ -41,6 +41,7 @@ def test_sbatch_script_runs_with_mpiexec_in_place_of_srun(tmp_path):
     assert_consolidated(out, expected, index_weight_map(mapping))
 
 
+@pytest.mark.slow
 def test_sbatch_script_writes_to_s3(tmp_path, s3_endpoint, s3_bucket):
     """An s3:// output passes the script's path checks (mpicons checks access itself) and is uploaded."""
     import s3server
