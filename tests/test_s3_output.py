@@ -204,3 +204,19 @@ def test_a_bug_on_one_rank_aborts_every_upload_before_the_job_is_aborted(sharded
     s3 = s3server.client(s3_endpoint)
     assert set(_objects(s3, s3_bucket, "hf")) <= {".mpicons.lock"}
     assert _open_uploads(s3, s3_bucket) == []
+
+
+def test_a_file_of_empty_tensors_is_its_header_alone(s3_endpoint, s3_bucket, tmp_path):
+    """A file with no data bytes is one part, its header, uploaded by the owner (a plain checkpoint keeps its files)."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    save_file({"empty": np.zeros((0, 4), dtype=np.float32)}, str(plain / "model-00001-of-00002.safetensors"))
+    save_file({"w": np.arange(12, dtype=np.float32).reshape(3, 4)}, str(plain / "model-00002-of-00002.safetensors"))
+    local = mpicons.consolidate(plain, tmp_path / "fs")
+    mpicons.consolidate(plain, f"s3://{s3_bucket}/hf", s3_endpoint=s3_endpoint)
+    got = _download(s3server.client(s3_endpoint), s3_bucket, "hf", tmp_path / "got")
+    for name in local.files + [local.index_file]:
+        assert (got / name).read_bytes() == (tmp_path / "fs" / name).read_bytes(), name

@@ -65,10 +65,13 @@ class S3Output:
         self.pending: list[Future[None]] = []
 
     def create(self) -> None:
-        """Put each header into the first part, where this rank uploads it (the uploads exist already)."""
+        """Upload now the parts that hold nothing but header bytes (a file without data); a part that
+        also holds data gets its share of the header when its buffer is made (see :meth:`_buffer`)."""
         for file, parts in self.mine.items():
-            if parts[0].begin == 0 and self.headers[file]:
-                self.write(file, 0, memoryview(self.headers[file]))
+            header = self.headers[file]
+            for part in parts:
+                if part.end <= len(header):
+                    self.write(file, part.begin, memoryview(header)[part.begin : part.end])
 
     def open(self, file: int) -> None:
         pass
@@ -91,7 +94,11 @@ class S3Output:
         buffer = self.buffers.get(key)
         if buffer is None:
             buffer = self.buffers[key] = np.empty(part.size, dtype=np.uint8)
+            header = self.headers[part.file]
             self.filled[key] = 0
+            if part.begin < len(header) < part.end:  # the header's bytes in this part: no writer sends them
+                buffer[: len(header) - part.begin] = np.frombuffer(header, dtype=np.uint8)[part.begin :]
+                self.filled[key] = len(header) - part.begin
         return buffer
 
     def write(self, file: int, offset: int, data: memoryview) -> None:
