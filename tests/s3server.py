@@ -20,8 +20,11 @@ test can change the faults of a running proxy, and a CLI subprocess test uses it
 
 A rule matches on ``op`` (the S3 operation, or "*"), optionally ``part`` (UploadPart's number) and
 ``key`` (a substring of the object key); ``times`` limits it to the first N matching requests (no
-``times``: every one). ``delay`` sleeps before answering; ``status`` (with ``code``, ``message``)
-answers with that error instead of forwarding. ``log`` appends one line per request:
+``times``: every one). ``delay`` sleeps before answering; ``lost`` forwards the request and drops
+the connection instead of answering (the write happened, its answer was lost); ``cut`` (bytes)
+forwards the answer's headers and only that much of its body, then drops the connection (a transfer
+reset mid-way); ``status`` (with ``code``, ``message``) answers with that error instead of
+forwarding. ``log`` appends one line per request:
 ``OP KEY PART STATUS`` (what a test counts retries by). The first matching rule that still applies wins.
 """
 
@@ -34,6 +37,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -318,6 +322,16 @@ def _handler(target: str, faults: Faults) -> type[http.server.BaseHTTPRequestHan
                 length = response.getheader("Content-Length") if self.command == "HEAD" else str(len(payload))
                 headers.append(("Content-Length", length or "0"))
                 faults.record(op, key, part, response.status)
+                if rule and rule.get("lost"):  # done upstream, but the answer never reaches the client
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if rule and "cut" in rule and self.command != "HEAD":  # the body stops after N bytes, the connection drops
+                    self.close_connection = True
+                    self._answer(response.status, headers, payload[: int(rule["cut"])])
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 self._answer(response.status, headers, payload)
             finally:
                 upstream.close()

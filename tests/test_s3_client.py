@@ -318,3 +318,24 @@ def test_the_proxy_works_as_a_subprocess_too(s3_bucket: str, s3_endpoint: str, t
         assert s3.read("p.bin", 0, 7) == b"payload"
     assert [line.split()[-1] for line in _logged(log, "PutObject")] == ["500", "200"]
     assert os.path.exists(control)
+
+
+def test_a_conditional_write_retried_after_its_answer_was_lost_finds_its_own_object(tmp_path, s3_endpoint, s3_bucket):
+    """botocore resends a write whose answer never came; with If-None-Match the resend gets 412 from the
+    write's own object, which is success, while an object someone else made stays ObjectExists."""
+    from mpicons.io.s3 import ObjectExists, S3Client, S3Location
+
+    control = tmp_path / "faults.json"
+    rules = [{"op": "PutObject", "times": 1, "lost": True}, {"op": "CompleteMultipartUpload", "times": 1, "lost": True}]
+    control.write_text(json.dumps({"rules": rules}))
+    with s3server.FaultProxy(s3_endpoint, control) as proxy:
+        client = S3Client(S3Location.parse(f"s3://{s3_bucket}/p"), proxy.url)
+        client.put("lock", b"mine", if_absent=True)
+        upload = client.create_upload("big")
+        etags = [client.upload_part("big", upload, 1, b"x" * (5 << 20)), client.upload_part("big", upload, 2, b"tail")]
+        client.complete_upload("big", upload, etags, if_absent=True)
+        with pytest.raises(ObjectExists):
+            client.put("lock", b"another run's", if_absent=True)
+    s3 = s3server.client(s3_endpoint)
+    assert s3.get_object(Bucket=s3_bucket, Key="p/lock")["Body"].read() == b"mine"
+    assert s3.head_object(Bucket=s3_bucket, Key="p/big")["ContentLength"] == (5 << 20) + 4

@@ -311,3 +311,20 @@ def test_a_bad_s3_input_is_bad_input_on_every_rank(mpi_tmp_path: Path, s3_endpoi
         inspect(f"s3://{s3_bucket}/p", comm=comm, s3_endpoint=f"http://127.0.0.1:{port}")
     with pytest.raises(InputError, match=r"\{rank\}"):
         inspect(f"s3://{s3_bucket}/p-{{rank}}", comm=comm, s3_endpoint=s3_endpoint)
+
+
+def test_a_read_cut_off_mid_way_is_resumed(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
+    """botocore retries a request until its headers arrive; a body that stops later is resumed from the byte it reached."""
+    from mpicons.io.s3 import S3Client, S3Location
+
+    data = bytes(range(256)) * 4096  # 1 MiB
+    s3server.client(s3_endpoint).put_object(Bucket=s3_bucket, Key="p/blob", Body=data)
+    control = tmp_path / "faults.json"
+    log = tmp_path / "requests.log"
+    control.write_text(json.dumps({"rules": [{"op": "GetObject", "times": 2, "cut": 100_000}], "log": str(log)}))
+    with s3server.FaultProxy(s3_endpoint, control) as proxy:
+        client = S3Client(S3Location.parse(f"s3://{s3_bucket}/p"), proxy.url)
+        target = bytearray(len(data) - 10)
+        client.read_into("blob", 10, memoryview(target))
+    assert bytes(target) == data[10:]
+    assert log.read_text().count("GetObject") == 3, "two cut-off bodies, each resumed by a GET of the rest"

@@ -74,3 +74,28 @@ def test_a_part_failing_on_one_rank_ends_every_rank_cleanly(s3_endpoint, s3_buck
     comm.Barrier()
     assert failure is not None and "InternalError" in failure, failure
     assert left == ([], []), left
+
+
+def test_node_local_shards_upload_in_order_from_their_owners(s3_endpoint, s3_bucket, mpi_tmp_path):
+    """Each rank sees only some shards: pieces move over MPI to the rank whose parts hold their bytes
+    (no copy is handed to another rank, none left for the end), and the objects are the shared-path bytes."""
+    import shutil
+
+    comm = MPI.COMM_WORLD
+    shared = mpi_tmp_path / "shared"
+    config = SampleConfig.sized(48 * MiB, files=2, dp=2, tp=1)  # row-sharded: whole pieces copied in place
+    write_sample(shared, config, comm)
+    if comm.rank == 0:
+        for rank in range(comm.size):
+            (mpi_tmp_path / f"in-{rank}").mkdir()
+        for i, path in enumerate(sorted(shared.iterdir())):  # shards away from the ranks whose rows they hold
+            shutil.copy(path, mpi_tmp_path / f"in-{(i + 1) % comm.size}" / path.name)
+    comm.Barrier()
+    result = mpicons.consolidate(
+        str(mpi_tmp_path / "in-{rank}"), f"s3://{s3_bucket}/hf", comm=comm, s3_endpoint=s3_endpoint, s3_part_size=10 * MiB
+    )
+    if comm.rank == 0:
+        _download(s3server.client(s3_endpoint), s3_bucket, "hf", mpi_tmp_path / "got")
+    comm.Barrier()
+    assert_consolidated(mpi_tmp_path / "got", sample_expected(config), expected_mapping(config))
+    assert comm.size == 1 or result.moved_bytes > 0

@@ -31,6 +31,9 @@ class OutputBackend(Protocol):
     name: str
     #: Whether writes may be issued from background threads.
     threaded: bool
+    #: Whether any rank may write any bytes (a rank holding a shard then copies its pieces in place for
+    #: others); False: each rank writes only its own share, in output order (an object store's parts).
+    any_rank_writes: bool
     #: Called before a handle is closed to make room (the writer drains its background I/O there).
     before_close: Callable[[], None]
 
@@ -47,6 +50,8 @@ class OutputBackend(Protocol):
 
 class _Output:
     """What both backends know: the outputs' paths, headers and final sizes."""
+
+    any_rank_writes = True
 
     def __init__(
         self,

@@ -13,15 +13,17 @@ secret: S3 error texts never echo the secret key, and the access key id is the m
 from __future__ import annotations
 
 import builtins
+import hashlib
 import importlib
 import io
 import os
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from ..core.errors import InputError, WriteError
+from ..core.errors import InputError, MpiconsError, WriteError
 
 S3_SCHEME = "s3://"
 #: Bucket names as S3 allows them for new buckets: 3-63 of a-z 0-9 . -, a letter or digit at each end.
@@ -29,6 +31,9 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _IP_LIKE = re.compile(r"^\d+\.\d+\.\d+\.\d+$")
 #: Bytes per ``readinto`` call of a ranged GET's body: large enough that Python's per-call cost vanishes.
 _READ_CHUNK = 8 << 20
+#: Attempts at a ranged GET whose body is cut off mid-way (each resumes where the last stopped), and the first wait.
+_BODY_ATTEMPTS = 4
+_BODY_BACKOFF = 0.5
 #: Longest S3 error text quoted in a message (an error body can be long; a message is one line).
 _MESSAGE_LIMIT = 300
 #: The S3 error codes of a request refused for its credentials.
@@ -90,6 +95,12 @@ class S3Location:
     def list_prefix(self) -> str:
         """The prefix a listing asks for: the objects directly under the location."""
         return f"{self.prefix}/" if self.prefix else ""
+
+
+def multipart_etag(etags: Sequence[str]) -> str:
+    """The ETag S3 gives an object completed from parts with these ETags (MD5 of their MD5s, ``-N``)."""
+    digests = b"".join(bytes.fromhex(etag.strip('"')) for etag in etags)
+    return f"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(etags)}"
 
 
 class ObjectExists(WriteError):
@@ -332,13 +343,40 @@ class S3Client:
         if length == 0:
             return
         what = f"read of bytes {offset}-{offset + length - 1}"
-        key = self.location.key(name)
+        done = 0
+        for attempt in range(_BODY_ATTEMPTS):
+            try:
+                done += self._read_body(name, offset + done, view[done:], what)
+                break
+            except MpiconsError:
+                raise  # the request itself failed after botocore's retries, or the store ignored the range
+            except Exception as exc:  # noqa: BLE001 - botocore and urllib3 raise several kinds mid-body
+                # botocore retries a request until its response headers arrive; a body cut off later
+                # (a reset, a read timeout) is resumed here from the byte it reached.
+                done += getattr(exc, "mpicons_done", 0)
+                if attempt == _BODY_ATTEMPTS - 1:
+                    if isinstance(exc, self._errors.BotoCoreError):
+                        self.failure(exc, what, name)
+                    raise WriteError(
+                        f"{self.location.url(name)}: {what} failed ({type(exc).__name__}: {_short(str(exc))})"
+                    ) from exc
+                time.sleep(_BODY_BACKOFF * 2**attempt)
+        if done != length:
+            raise WriteError(
+                f"{self.location.url(name)}: {what} got {done} bytes, not {length}: "
+                "the object is shorter than its header says, or changed while mpicons read it"
+            )
+
+    def _read_body(self, name: str, offset: int, view: memoryview, what: str) -> int:
+        """One ranged GET of ``len(view)`` bytes from ``offset`` into ``view``; the bytes it got. A failure
+        while the body streams carries the bytes got so far as ``mpicons_done``."""
+        length = len(view)
         response = self._call(
             what,
             name,
             self._client.get_object,
             Bucket=self.location.bucket,
-            Key=key,
+            Key=self.location.key(name),
             Range=f"bytes={offset}-{offset + length - 1}",
         )
         body = response["Body"]
@@ -352,22 +390,31 @@ class S3Client:
                 if not count:
                     break
                 done += count
-        except (self._errors.BotoCoreError, self._errors.ClientError) as exc:
-            self.failure(exc, what, name)
+        except BaseException as exc:
+            exc.mpicons_done = done  # type: ignore[attr-defined]
+            raise
         finally:
             body.close()
-        if done != length:
-            raise WriteError(
-                f"{self.location.url(name)}: {what} got {done} bytes, not {length}: "
-                "the object is shorter than its header says, or changed while mpicons read it"
-            )
+        return done
+
+    def _is_mine(self, name: str, etag: str) -> bool:
+        """Whether object ``name`` is the one this client wrote (its ETag is ``etag``): a write that
+        botocore retried after its response was lost finds its own object, not another's."""
+        try:
+            head = self._client.head_object(Bucket=self.location.bucket, Key=self.location.key(name))
+        except (self._errors.BotoCoreError, self._errors.ClientError):
+            return False
+        return str(head.get("ETag", "")).strip('"') == etag
 
     def put(self, name: str, data: bytes, if_absent: bool = False) -> None:
-        """Write a small object whole; ``if_absent``: only if nothing is there (412 → ObjectExists)."""
+        """Write a small object whole; ``if_absent``: only if nothing is there (412 → ObjectExists, unless
+        what is there is this very write, retried after a lost response)."""
         extra = {"IfNoneMatch": "*"} if if_absent else {}
         try:
             self._client.put_object(Bucket=self.location.bucket, Key=self.location.key(name), Body=data, **extra)
         except self._errors.ClientError as exc:
+            if if_absent and self._is_mine(name, hashlib.md5(data, usedforsecurity=False).hexdigest()):
+                return
             self._raise_exists(exc, name, "upload")
             self.failure(exc, "upload", name)
         except self._errors.BotoCoreError as exc:
@@ -429,6 +476,9 @@ class S3Client:
                 **extra,
             )
         except self._errors.ClientError as exc:
+            code = _error_parts(exc)[0]
+            if (if_absent or code == "NoSuchUpload") and self._is_mine(name, multipart_etag(etags)):
+                return  # completed by an earlier attempt whose response was lost
             self._raise_exists(exc, name, what)
             self.failure(exc, what, name)
         except self._errors.BotoCoreError as exc:

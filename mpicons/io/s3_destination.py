@@ -52,6 +52,8 @@ class S3Destination:
     #: Old checkpoint files the new one does not have (deleted after the commit, with ``force``).
     stale: list[str] = field(default_factory=list)
     force: bool = False
+    #: Whether a checkpoint was under the prefix (then a failed commit cannot undo what it replaced).
+    replacing: bool = False
     locked: bool = False
 
     @classmethod
@@ -121,6 +123,7 @@ class S3Destination:
                 "(the old one stays whole until the new one is complete), or choose another prefix"
             )
         self.force = force
+        self.replacing = bool(old or clashing)
         self.stale = [name for name in old if name not in set(new)]
 
     def create_uploads(self, names: Sequence[str]) -> list[str]:
@@ -157,27 +160,29 @@ class S3Destination:
             try:
                 self.client.abort_upload(name, upload_id)
                 del self.uploads[name]
-            except WriteError as exc:
+            except Exception as exc:  # noqa: BLE001 - every upload is tried; each failure is reported
                 failures.append(str(exc))
-        if not self.force:
+        if not self.replacing:  # nothing was there before: what the run made goes again
             for name in reversed(self.made):
                 try:
                     self.client.delete(name)
-                except WriteError as exc:
+                except Exception as exc:  # noqa: BLE001 - as above
                     failures.append(str(exc))
             self.made.clear()
         for failure in failures:
-            log.error("%s", failure)
+            log.error("%s (abort it by hand, or rerun with --break-lock, which aborts what is left open)", failure)
 
     def close(self) -> None:
-        """Release the lock (only if it is still this run's)."""
+        """Release the lock (only if it is still this run's). Never raises: it runs after the outcome is
+        decided (on the owner alone), and a lock left behind is stated with what to do."""
         if not self.locked:
             return
         self.locked = False
+        url = self.client.location.url(LOCK_NAME)
         try:
             raw = self.client.read(LOCK_NAME, 0, len(self.holder.to_bytes()))
-        except WriteError:
-            return
-        holder = Holder.parse(raw)
-        if holder is not None and holder.token == self.holder.token:
-            self.client.delete(LOCK_NAME)
+            holder = Holder.parse(raw)
+            if holder is not None and holder.token == self.holder.token:
+                self.client.delete(LOCK_NAME)
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.warning("%s: the lock could not be released (%s): delete it, or pass --break-lock next time", url, exc)

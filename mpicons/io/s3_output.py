@@ -37,6 +37,8 @@ class S3Output:
     name = "s3"
     #: Writes come from the main thread; the uploads have threads of their own.
     threaded = False
+    #: A part is uploaded by the rank that planned it, filled in output order (at most a few in memory).
+    any_rank_writes = False
 
     def __init__(
         self,

@@ -3,7 +3,8 @@
 Every rank makes one :class:`~mpicons.io.s3.S3Client` for the input and shares it between the
 header reads and the engine's reads (boto3's clients are thread-safe, so the writer's I/O threads
 use it too). The header readers ask for a few large ranges; the engine's reads are its coalesced
-runs, each one ranged GET (or a few, for a long run) straight into its buffer.
+runs, each one ranged GET straight into its buffer (resumed where it stopped if the body is cut off);
+a rank's GETs are made one after another, the ranks' in parallel.
 """
 
 from __future__ import annotations

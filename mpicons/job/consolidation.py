@@ -28,7 +28,7 @@ from ..io.formats import OutputFormat, output_format
 from ..io.inputs import InputStore
 from ..io.outdir import OutputDir
 from ..io.outputs import OutputBackend
-from ..io.s3 import is_s3
+from ..io.s3 import S3Location, is_s3
 from ..io.sources import SourceFiles
 from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter
 from .exchange import ExchangeWriter
@@ -290,8 +290,10 @@ def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -
     """:func:`consolidate` into ``s3://bucket/prefix``: the same phases, the output uploaded in parts by every
     rank (:mod:`mpicons.job.s3_publish`); any failure aborts every upload the run opened."""
     agree(comm, lambda: check_s3_options(options))
-    if _absolute(input_dir).rstrip("/") == url.rstrip("/"):
-        agree(comm, lambda: _refuse(f"{url}: the output is the input; give another prefix for the consolidated checkpoint"))
+    if is_s3(input_dir):
+        same = agree(comm, lambda: S3Location.parse(input_dir) == S3Location.parse(url))
+        if same:
+            agree(comm, lambda: _refuse(f"{url}: the output is the input; give another prefix for the consolidated checkpoint"))
     clock = PhaseClock()
     publish: list[S3Publish] = []
     try:
@@ -490,7 +492,10 @@ def _write_share(
                 options.buffer_size,
                 channel,
                 on_bytes,
-                delegate=options.gather_to is None,
+                # An object store's parts are each one rank's, filled in order: no copies handed to
+                # another rank, none left for the end (a part's buffer would wait for them).
+                delegate=options.gather_to is None and output.any_rank_writes,
+                copies=output.any_rank_writes,
             )
             return writer.run(), writer.sent
         finally:
