@@ -235,3 +235,12 @@ def test_a_lock_that_cannot_be_released_is_a_warning_not_a_hang(sharded, s3_endp
     got = _download(s3server.client(s3_endpoint), s3_bucket, "hf", tmp_path / "got")
     (got / ".mpicons.lock").unlink()  # left behind, as the warning says
     assert_consolidated(got, sample_expected(CONFIG), expected_mapping(CONFIG))
+
+
+def test_parts_the_node_cannot_hold_are_refused_before_any_work(sharded, s3_endpoint, s3_bucket, monkeypatch):
+    import mpicons.core.machine
+
+    monkeypatch.setattr(mpicons.core.machine, "available_memory", lambda: 100 << 20)
+    with pytest.raises(InputError, match="upload parts .*--s3-part-size"):
+        mpicons.consolidate(sharded, f"s3://{s3_bucket}/hf", s3_endpoint=s3_endpoint, s3_part_size=64 * MiB)
+    assert _objects(s3server.client(s3_endpoint), s3_bucket, "hf") == {}

@@ -61,8 +61,18 @@ def available_memory() -> int | None:
     return min(known) if known else None
 
 
-def check_buffer_size(buffer_size: int, ranks_on_node: int) -> None:
-    """Refuse a ``--buffer-size`` the node cannot give every rank on it, before any work starts."""
+def check_buffer_size(buffer_size: int, ranks_on_node: int, parts: int = 0) -> None:
+    """Refuse a ``--buffer-size`` the node cannot give every rank on it, before any work starts;
+    ``parts``: the bytes of upload parts a rank holds besides (an ``s3://`` output)."""
+    if parts:
+        total = buffer_size + parts
+        available = available_memory()
+        if available is not None and total * ranks_on_node > available:
+            raise InputError(
+                f"--buffer-size {human_size(buffer_size)} plus {human_size(parts)} of upload parts (3 × --s3-part-size) per "
+                f"rank × {count_of(ranks_on_node, 'rank')} on {host_name()} is more than the {human_bytes(available)} of "
+                "memory available there; choose a smaller --s3-part-size (default 64M) or --buffer-size"
+            )
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     if soft != resource.RLIM_INFINITY and buffer_size >= soft:
         raise InputError(

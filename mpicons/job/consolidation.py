@@ -29,6 +29,7 @@ from ..io.inputs import InputStore
 from ..io.outdir import OutputDir
 from ..io.outputs import OutputBackend
 from ..io.s3 import S3Location, is_s3
+from ..io.s3_output import IN_FLIGHT
 from ..io.sources import SourceFiles
 from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter
 from .exchange import ExchangeWriter
@@ -145,10 +146,11 @@ def check_options(comm: Comm, options: Options) -> None:
         raise InputError(f"--io mpiio needs an MPI communicator, and this job's is a {type(comm).__name__}: use --io posix")
 
 
-def check_buffer_fits(comm: Comm, buffer_size: int) -> None:
-    """Refuse, before any work, a buffer size the ranks sharing a node cannot all have."""
+def check_buffer_fits(comm: Comm, buffer_size: int, parts: int = 0) -> None:
+    """Refuse, before any work, a buffer size (plus ``parts`` bytes of upload parts) the ranks sharing a
+    node cannot all have."""
     hosts = agree(comm, host_name, gather=True)
-    agree(comm, lambda: check_buffer_size(buffer_size, hosts.count(hosts[comm.rank])))
+    agree(comm, lambda: check_buffer_size(buffer_size, hosts.count(hosts[comm.rank]), parts))
 
 
 def scan_inputs(
@@ -301,7 +303,7 @@ def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -
             publish.append(agree(comm, lambda: S3Publish(comm, url, options)))
             mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
             adapter = load_adapter(comm, options)
-            check_buffer_fits(comm, options.buffer_size)
+            check_buffer_fits(comm, options.buffer_size, (IN_FLIGHT + 1) * options.s3_part_size)
             store = open_store(comm, input_dir, options.s3_endpoint)  # an s3:// input's access checked first
             notes = publish[0].open()
             scanned = scan_inputs(input_dir, comm, options, adapter, store)
