@@ -42,6 +42,25 @@ class Timed:
     log: str
 
 
+def cached_sample(directory: Path, config: object, label: str) -> dict[str, object]:
+    """Write the sample of ``config`` into ``directory`` once; reuse it while its config is unchanged
+    (a marker beside it records the config). Returns that record."""
+    sys.path.insert(0, str(REPO))
+    from dataclasses import asdict
+
+    from mpicons.sample import tensor_specs, write_sample
+
+    marker = directory.with_suffix(".json")
+    described = {"config": asdict(config), "tensors": len(tensor_specs(config))}  # type: ignore[call-overload]
+    if not (marker.exists() and json.loads(marker.read_text()) == described):
+        shutil.rmtree(directory, ignore_errors=True)
+        began = time.perf_counter()
+        write_sample(directory, config)  # type: ignore[arg-type]
+        print(f"{label}: wrote the sample in {time.perf_counter() - began:.1f} s")
+        marker.write_text(json.dumps(described))
+    return described
+
+
 def parse_size(text: str) -> int:
     """``2GB`` = 2e9, ``200MB`` = 2e8, ``1GiB`` = 2^30; plain numbers are bytes."""
     units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30}

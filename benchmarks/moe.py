@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from harness import (
     REPO,
     Quiet,
     Timed,
+    cached_sample,
     checked,
     dir_bytes,
     machine,
@@ -43,23 +43,10 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "MPICONS_PROGRESS": "lines"}
 def ensure_sample(workdir: Path, size: int, training_ranks: int) -> tuple[Path, dict[str, object]]:
     """Write the MoE sample once; reuse it while its config is unchanged."""
     sys.path.insert(0, str(REPO))
-    from dataclasses import asdict
+    from mpicons.sample import SampleConfig
 
-    from mpicons.sample import SampleConfig, tensor_specs, write_sample
-
-    config = SampleConfig.moe(size, training_ranks=training_ranks)
     directory = workdir / f"moe-{size}-{training_ranks}"
-    marker = directory.with_suffix(".json")
-    described = {"config": asdict(config), "tensors": len(tensor_specs(config))}
-    if not (marker.exists() and json.loads(marker.read_text()) == described):
-        import shutil
-
-        shutil.rmtree(directory, ignore_errors=True)
-        began = time.perf_counter()
-        write_sample(directory, config)
-        print(f"moe: wrote the sample in {time.perf_counter() - began:.1f} s")
-        marker.write_text(json.dumps(described))
-    return directory, described
+    return directory, cached_sample(directory, SampleConfig.moe(size, training_ranks=training_ranks), "moe")
 
 
 def pieces(directory: Path) -> int:

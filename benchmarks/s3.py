@@ -38,7 +38,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from harness import PYTHON, REPO, Quiet, Timed, checked, machine, mpirun, parse_size, quiesce, run_timed, same_tree, warm
+from harness import (
+    PYTHON,
+    REPO,
+    Quiet,
+    Timed,
+    cached_sample,
+    checked,
+    machine,
+    mpirun,
+    parse_size,
+    quiesce,
+    run_timed,
+    same_tree,
+    warm,
+)
 
 BUCKET = "bench"
 #: The local server ignores credentials, but boto3 needs some: dummy ones, never real ones.
@@ -51,21 +65,11 @@ CASES = ("fs-fs", "fs-s3", "s3-fs", "s3-s3", "plain-up", "plain-down")
 def ensure_sample(workdir: Path, size: int) -> tuple[Path, dict[str, Any]]:
     """Write the dense sample once (output files of at most ~128 MB); reuse it while its config holds."""
     sys.path.insert(0, str(REPO))
-    from dataclasses import asdict
+    from mpicons.sample import SampleConfig
 
-    from mpicons.sample import SampleConfig, tensor_specs, write_sample
-
-    config = SampleConfig.sized(size, files=max(2, math.ceil(size / FILE_BYTES)))
     directory = workdir / f"shards-{size}"
-    marker = directory.with_suffix(".json")
-    described = {"config": asdict(config), "tensors": len(tensor_specs(config))}
-    if not (marker.exists() and json.loads(marker.read_text()) == described):
-        shutil.rmtree(directory, ignore_errors=True)
-        began = time.perf_counter()
-        write_sample(directory, config)
-        print(f"s3: wrote the sample in {time.perf_counter() - began:.1f} s")
-        marker.write_text(json.dumps(described))
-    return directory, described
+    config = SampleConfig.sized(size, files=max(2, math.ceil(size / FILE_BYTES)))
+    return directory, cached_sample(directory, config, "s3")
 
 
 def s3_client(endpoint: str) -> Any:

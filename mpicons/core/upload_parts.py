@@ -50,9 +50,6 @@ class UploadPlan:
     def of_rank(self, rank: int) -> list[UploadPart]:
         return [part for part in self.parts if part.rank == rank]
 
-    def count(self, file: int) -> int:
-        return sum(1 for part in self.parts if part.file == file)
-
 
 def _stretches(layout: Layout, work: list[list[WorkItem]]) -> dict[int, list[tuple[int, int, int, list[WorkItem]]]]:
     """Per output file, its written stretches in byte order: (begin, end, rank, items), one per run of one rank's items."""

@@ -65,16 +65,14 @@ class S3Publish:
 
     def check_names(self, names: list[str]) -> None:
         """Refuse keys S3 cannot hold and a checkpoint under the prefix that ``--force`` does not allow replacing."""
-        for name in names:
-            if len(self.location.key(name).encode("utf-8")) > MAX_KEY_BYTES:
-                raise InputError(f"{self.location.url(name)}: the object key is longer than S3's {MAX_KEY_BYTES} bytes")
 
-        def check() -> None:
-            assert self.destination is not None
-            self.destination.check_replacing(names, self.options.force)
+        def check_keys() -> None:
+            for name in names:
+                if len(self.location.key(name).encode("utf-8")) > MAX_KEY_BYTES:
+                    raise InputError(f"{self.location.url(name)}: the object key is longer than S3's {MAX_KEY_BYTES} bytes")
 
-        agree(self.comm, lambda: None)  # every rank checked the keys
-        agree_on(self.comm, self.owner, check)
+        agree(self.comm, check_keys)
+        agree_on(self.comm, self.owner, lambda: self._destination().check_replacing(names, self.options.force))
 
     def write(self, layout: Layout, write_share: Callable[[OutputBackend], tuple[int, int]]) -> tuple[int, int]:
         """Create the uploads (owner), upload this rank's parts through ``write_share``, gather the ETags."""

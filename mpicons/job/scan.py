@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm.agreement import Comm, agree
+from ..comm.agreement import Comm, agree, agree_on
 from ..core.adapting import Conversion
 from ..core.coverage import merge_problems
 from ..core.distcp_items import Item, locate_all
@@ -99,7 +99,7 @@ def open_store(comm: Comm, input_dir: str, endpoint: str | None = None) -> Input
         return open_inputs(input_dir, endpoint)
 
     store = agree(comm, make)
-    agree(comm, lambda: store.check_access() if comm.rank == 0 else None)
+    agree_on(comm, 0, store.check_access)
     return store
 
 
@@ -144,7 +144,7 @@ def discover(input_dir: str, comm: Comm, store: InputStore | None = None) -> tup
     store = store if store is not None else PosixInputs(rank_directory(input_dir, comm.rank))
     directory = store.location
     if store.shared:
-        names, sizes = comm.bcast(agree(comm, lambda: store.list() if comm.rank == 0 else None), root=0)
+        names, sizes = agree_on(comm, 0, store.list)
         return agree(comm, lambda: _inputs_of(directory, names, sizes, None))
     hosts = comm.allgather(host_name())
     per_rank = "{rank}" in input_dir
