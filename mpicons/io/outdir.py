@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..core.errors import InputError, WriteError
@@ -25,10 +25,15 @@ from .regular_files import write_new_file
 def refuse_sharded(path: str) -> None:
     """Refuse an output directory that directly holds a sharded checkpoint: those are some run's input
     (mostly the two arguments swapped), and a checkpoint published among them would spoil both."""
-    shards = sorted(name for name in os.listdir(path) if SHARD_FILE.match(name))
+    refuse_shards_among(path, os.listdir(path), "output directory")
+
+
+def refuse_shards_among(location: str, names: Iterable[str], what: str) -> None:
+    """:func:`refuse_sharded` for the entries ``names`` of the output ``location`` (a directory, an S3 prefix)."""
+    shards = sorted(name for name in names if SHARD_FILE.match(name))
     if shards:
         raise InputError(
-            f"{path}: the output directory holds a sharded checkpoint ({describe_names(shards)}), and mpicons "
+            f"{location}: the {what} holds a sharded checkpoint ({describe_names(shards)}), and mpicons "
             "never writes among shard files, with --force or without. The arguments look swapped: the shard "
             "directory comes first, the output directory second (mpicons consolidate INPUT_DIR OUTPUT_DIR)"
         )

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..core.errors import InputError, WriteError
-from ..core.names import CHECKPOINT_FILE, INDEX_NAME, SHARD_FILE
+from ..core.names import CHECKPOINT_FILE, INDEX_NAME
 from .journal import describe_names
 from .lock import LOCK_NAME, Holder
+from .outdir import refuse_shards_among
 
 if TYPE_CHECKING:
     from .s3 import S3Client
@@ -62,13 +63,7 @@ class S3Destination:
         client.check_access(write=True)
         existing = dict(client.list())
         location = client.location
-        shards = sorted(name for name in existing if SHARD_FILE.match(name))
-        if shards:
-            raise InputError(
-                f"{location.url()}: the output prefix holds a sharded checkpoint ({describe_names(shards)}), and mpicons "
-                "never writes among shard files, with --force or without. The arguments look swapped: the shards "
-                "come first, the output second (mpicons consolidate INPUT OUTPUT)"
-            )
+        refuse_shards_among(location.url(), existing, "output prefix")
         destination = cls(client, Holder.me(), existing)
         destination._lock(break_lock)
         return destination

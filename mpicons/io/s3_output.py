@@ -168,6 +168,7 @@ class S3Output:
         return sorted((file, number, etag) for (file, number), etag in self.etags.items())
 
     def close(self) -> None:
-        """Wait for the uploads in flight (their failures were or will be reported) and drop the buffers."""
-        self.pool.shutdown(wait=True)
+        """Wait for the uploads in flight (their failures were or will be reported), start no queued one,
+        and drop the buffers."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
         self.buffers.clear()

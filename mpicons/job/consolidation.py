@@ -292,10 +292,7 @@ def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -
     """:func:`consolidate` into ``s3://bucket/prefix``: the same phases, the output uploaded in parts by every
     rank (:mod:`mpicons.job.s3_publish`); any failure aborts every upload the run opened."""
     agree(comm, lambda: check_s3_options(options))
-    if is_s3(input_dir):
-        same = agree(comm, lambda: S3Location.parse(input_dir) == S3Location.parse(url))
-        if same:
-            agree(comm, lambda: _refuse(f"{url}: the output is the input; give another prefix for the consolidated checkpoint"))
+    agree(comm, lambda: _refuse_the_input_as_output(input_dir, url))
     clock = PhaseClock()
     publish: list[S3Publish] = []
     try:
@@ -338,8 +335,10 @@ def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -
     return replace(result, adapted=adapted, assets=assets)
 
 
-def _refuse(message: str) -> None:
-    raise InputError(message)
+def _refuse_the_input_as_output(input_dir: str, url: str) -> None:
+    """Bad input: an ``s3://`` output at the very location of the input (compared as parsed, so ``s3://b//p`` is ``s3://b/p``)."""
+    if is_s3(input_dir) and S3Location.parse(input_dir) == S3Location.parse(url):
+        raise InputError(f"{url}: the output is the input; give another prefix for the consolidated checkpoint")
 
 
 def _scan_phase(

@@ -15,7 +15,7 @@ from ..comm.interrupts import deferred, forget_pending, raise_pending
 from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
 from ..core.options import DTYPE_TARGETS, Options
-from ..core.upload_parts import UploadPlan, check_plan, plan_uploads
+from ..core.upload_parts import check_plan, plan_uploads
 from ..io.formats import output_format
 from ..io.s3 import S3Client, S3Location
 from ..io.s3_destination import S3Destination
@@ -49,7 +49,6 @@ class S3Publish:
         self.location = S3Location.parse(url)
         self.client = S3Client(self.location, options.s3_endpoint)
         self.destination: S3Destination | None = None
-        self.plan: UploadPlan | None = None
         self.upload_ids: list[str] = []
         self.names: list[str] = []
         self.etags: list[list[str]] = []
@@ -76,7 +75,7 @@ class S3Publish:
 
     def write(self, layout: Layout, write_share: Callable[[OutputBackend], tuple[int, int]]) -> tuple[int, int]:
         """Create the uploads (owner), upload this rank's parts through ``write_share``, gather the ETags."""
-        plan = self.plan = plan_uploads(layout, layout.work, self.owner, self.options.s3_part_size)
+        plan = plan_uploads(layout, layout.work, self.owner, self.options.s3_part_size)
         agree(self.comm, lambda: check_plan(layout, plan))
         names = self.names = [f.name for f in layout.files]
         self.upload_ids = agree_on(self.comm, self.owner, lambda: self._destination().create_uploads(names))
