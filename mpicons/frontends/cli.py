@@ -71,6 +71,8 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs["allow_abbrev"] = False
         super().__init__(*args, **kwargs)
+        #: Options another command has that this one refuses on purpose: option → why, said with the error.
+        self.refused_options: dict[str, str] = {}
 
     def parse_known_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
@@ -94,7 +96,9 @@ class _Parser(argparse.ArgumentParser):
                     )
         parsed, extras = super().parse_known_args(args, namespace)
         if extras:
-            self.error(f"unrecognized arguments: {' '.join(extras)}{_suggestion(extras, self._option_string_actions)}")
+            first = next((extra.partition("=")[0] for extra in extras if extra.startswith("-")), "")
+            why = f"; {first} {self.refused_options[first]}" if first in self.refused_options else ""
+            self.error(f"unrecognized arguments: {' '.join(extras)}{_suggestion(extras, self._option_string_actions)}{why}")
         return parsed, extras
 
     def _print_message(self, message: str, file: Any = None) -> None:
@@ -201,7 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_job_options(run)
     run.set_defaults(func=_cmd_consolidate)
 
-    _add_demo_command(commands)
+    demo = _add_demo_command(commands)
+    demo.refused_options = dict.fromkeys(
+        set(run._option_string_actions) - set(demo._option_string_actions),
+        "is an option of mpicons consolidate, not of the demo, which checks what it makes against its own sample",
+    )
 
     check = commands.add_parser("verify", help="check a consolidated checkpoint (files, index; values with --against)")
     check.add_argument(
@@ -230,10 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _add_demo_command(commands: Any) -> None:
+def _add_demo_command(commands: Any) -> _Parser:
     """``mpicons demo``: the sample written, then consolidated with the job's options."""
     demo = commands.add_parser("demo", help="write the built-in sample sharded checkpoint and consolidate it")
-    demo.add_argument("directory", nargs="?", default="mpicons-demo", help="work directory (default: %(default)s)")
+    demo.add_argument(
+        "directory",
+        nargs="?",
+        default="mpicons-demo",
+        help="a new or empty directory, or one the demo wrote before (default: %(default)s)",
+    )
     demo.add_argument("--size", type=parse_size, default=0, help="approximate checkpoint size, e.g. 1GB (default: small)")
     demo.add_argument(
         "--distcp",
@@ -245,8 +258,9 @@ def _add_demo_command(commands: Any) -> None:
         choices=_SERIALIZATIONS,
         help="how the .distcp files hold tensors (implies --distcp; default: torch_save, as torch.save does)",
     )
-    _add_job_options(demo)
+    _add_run_options(demo)  # the sample is checked against its own tensors: nothing that renames, converts or selects
     demo.set_defaults(func=_cmd_demo)
+    return demo
 
 
 def _add_inspect_command(commands: Any) -> None:
@@ -327,15 +341,9 @@ def _selection(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _add_job_options(cmd: argparse.ArgumentParser) -> None:
+    """``consolidate``'s options: what to make of the checkpoint, then how to run (:func:`_add_run_options`)."""
     cmd.add_argument("--mapping", metavar="FILE", help=_MAPPING_HELP)
     cmd.add_argument("--dtype", choices=DTYPES, help="convert floating-point tensors (round to nearest even)")
-    cmd.add_argument(
-        "--max-shard-size",
-        type=parse_size,
-        metavar="SIZE",
-        help="re-shard like Hugging Face, e.g. 5GB (10^9 bytes), instead of following the shard names "
-        "(.distcp inputs, which name no files: 5GB unless given)",
-    )
     _add_selection_options(cmd)
     cmd.add_argument(
         "--format",
@@ -343,6 +351,25 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
         choices=FORMATS,
         default=FORMATS[0],
         help="output: Hugging Face safetensors files (default) or one HDF5 file (needs h5py)",
+    )
+    cmd.add_argument(
+        "--s3-part-size",
+        type=parse_size,
+        default=DEFAULT_PART_SIZE,
+        metavar="SIZE",
+        help=f"part size of an s3:// output's multipart uploads (default: {DEFAULT_PART_SIZE >> 20}M)",
+    )
+    _add_run_options(cmd)
+
+
+def _add_run_options(cmd: argparse.ArgumentParser) -> None:
+    """The options of a consolidation that apply to any checkpoint: ``consolidate``'s and ``demo``'s."""
+    cmd.add_argument(
+        "--max-shard-size",
+        type=parse_size,
+        metavar="SIZE",
+        help="re-shard like Hugging Face, e.g. 5GB (10^9 bytes), instead of following the shard names "
+        "(.distcp inputs, which name no files: 5GB unless given)",
     )
     cmd.add_argument(
         "--gather-to",
@@ -359,13 +386,6 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
         default=DEFAULT_BUFFER_SIZE,
         metavar="SIZE",
         help=f"memory per rank for assembling blocks (default: {_BUFFER_SIZE_TEXT})",
-    )
-    cmd.add_argument(
-        "--s3-part-size",
-        type=parse_size,
-        default=DEFAULT_PART_SIZE,
-        metavar="SIZE",
-        help=f"part size of an s3:// output's multipart uploads (default: {DEFAULT_PART_SIZE >> 20}M)",
     )
     cmd.add_argument("--force", action="store_true", help="replace an existing checkpoint in OUTPUT_DIR")
     cmd.add_argument(
@@ -392,14 +412,23 @@ def _add_job_options(cmd: argparse.ArgumentParser) -> None:
 
 
 def job_options(args: argparse.Namespace) -> Options:
-    """The library's options object from the parsed command line (every field has an option).
+    """The library's options object from the parsed command line (every field has an option; a command
+    without some of them, ``demo``, leaves those fields at their defaults).
 
     ``MPICONS_PROGRESS`` is checked here too, so a wrong value stops the run before any work."""
     from ..job.progress import progress_choice
 
     progress_choice()
+    planned: dict[str, Any] = {}
+    if hasattr(args, "mapping"):
+        planned = dict(
+            mapping=args.mapping,
+            dtype=args.dtype,
+            output_format=args.output_format,
+            s3_part_size=args.s3_part_size,
+            **_selection(args),
+        )
     return Options(
-        mapping=args.mapping,
         split=args.split,
         io=args.io,
         buffer_size=args.buffer_size,
@@ -407,14 +436,11 @@ def job_options(args: argparse.Namespace) -> Options:
         force=args.force,
         break_lock=args.break_lock,
         progress=None if args.quiet or args.progress <= 0 else args.progress,
-        dtype=args.dtype,
         max_shard_size=args.max_shard_size,
-        output_format=args.output_format,
         gather_to=args.gather_to,
         sync=args.sync,
         verbose=args.verbose,
-        s3_part_size=args.s3_part_size,
-        **_selection(args),
+        **planned,
     )
 
 
@@ -541,28 +567,40 @@ def _cmd_consolidate(args: argparse.Namespace, comm: Comm) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
-    from ..core.reports import count_of
-    from ..job.consolidation import consolidate
-    from .sample import SampleConfig, check_sample, write_sample
+    """Write the sample into a directory the demo owns (:mod:`.demo`), consolidate it and check every tensor."""
+    from ..core.reports import count_of, wrapped
+    from ..job.consolidation import check_buffer_fits, check_options, consolidate
+    from ..job.progress import report_columns
+    from .demo import DemoDirectory
+    from .sample import SampleConfig, check_sample, sample_file_names, write_sample
 
     _check_report_paths(comm, args.stats_json)
+    options = job_options(args)  # checked, as consolidate checks them, before anything is written
+    check_options(comm, options)
+    check_buffer_fits(comm, options.buffer_size)
     config = SampleConfig.sized(args.size) if args.size else SampleConfig()
     distcp = args.serialization or (_SERIALIZATIONS[0] if args.distcp else None)
-    sharded = os.path.join(args.directory, "sharded" if distcp is None else f"distcp-{distcp}")
-    output = os.path.join(args.directory, "consolidated")
-    if comm.rank == 0 and not args.quiet:
-        kind = "" if distcp is None else f" in DCP's .distcp format ({distcp})"
-        say(
-            f"{messages.DEMO}writing a sample checkpoint{kind} ({config.layers} layers, hidden {config.hidden}, "
-            f"{config.dp}x{config.tp} training mesh) to {sharded}"
-        )
-    write_sample(sharded, config, comm, distcp=distcp)
-    result = consolidate(sharded, output, job_options(args), comm=comm, force=True)
+    place = DemoDirectory(args.directory, "sharded" if distcp is None else f"distcp-{distcp}")
+    names = sample_file_names(config, distcp)
+    replace = place.claim(comm, names, args.force)
+
+    def tell(line: str) -> None:
+        if comm.rank == 0 and not args.quiet:
+            say("\n".join(wrapped([messages.DEMO + line], report_columns(sys.stdout))))
+
+    kind = "" if distcp is None else f" in DCP's .distcp format ({distcp})"
+    tell(
+        f"writing a sample checkpoint{kind} ({config.layers} layers, hidden {config.hidden}, "
+        f"{config.dp}x{config.tp} training mesh) to {place.sample}"
+    )
+    write_sample(place.sample, config, comm, distcp=distcp, exclusive=True)
+    place.record_sample(comm, names)
+    result = consolidate(place.sample, place.output, options, comm=comm, force=replace)
+    place.record_output(comm, [*result.files, *([result.index_file] if result.index_file else [])])
     _print_result(args, comm, result)
     write_report(comm, args.stats_json, lambda: _stats_report(result))
-    checked = check_sample(output, config, comm)
-    if comm.rank == 0 and not args.quiet:
-        say(f"{messages.DEMO}{count_of(checked, 'tensor')} in {output} match the sample's full tensors bit for bit")
+    checked = check_sample(place.output, config, comm)
+    tell(f"{count_of(checked, 'tensor')} in {place.output} match the sample's full tensors bit for bit")
     return 0
 
 

@@ -346,14 +346,14 @@ def full_tensor(c: SampleConfig, name: str, dtype: str, shape: tuple[int, ...]) 
     return values.reshape(shape)
 
 
-def _write_shard(path: str, pieces: list[tuple[str, str, np.ndarray, tuple[int, ...]]]) -> None:
+def _write_shard(path: str, pieces: list[tuple[str, str, np.ndarray, tuple[int, ...]]], mode: str = "wb") -> None:
     """One DCP shard file as torch writes it (through safetensors' serializer): tensors in the
     reference order (dtype alignment, then name), sharding info in the metadata."""
     pieces = sorted(pieces, key=lambda p: (DTYPE_ORDER[p[1]], p[0]))
     info = {name: {"saved_offsets": list(offsets)} for name, _, _, offsets in pieces}
     metadata = {"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps(info)}
     header, _ = build_header([(name, dtype, data.shape) for name, dtype, data, _ in pieces], metadata)
-    with open(path, "wb") as handle:
+    with open(path, mode) as handle:
         handle.write(header)
         for _, _, data, _ in pieces:
             handle.write(np.ascontiguousarray(data).tobytes())
@@ -378,6 +378,22 @@ def _pieces_of_file(
     yield from per_rank.items()
 
 
+def sample_file_names(config: SampleConfig | None = None, distcp: str | None = None) -> list[str]:
+    """The names :func:`write_sample` gives its files, known before any is written (from the placements
+    alone, no data made), so that a caller can record what it is about to create."""
+    c = config or SampleConfig()
+    if distcp is not None or c.kind == "torchtitan":
+        return sorted([METADATA_NAME, *(f"__{r}_0.distcp" for r in range(c.world))])
+    placements = _placements(c)
+    names = {
+        shard_file_name(r + 1, index, c.files)
+        for _, _, shape, placement, index in tensor_specs(c)
+        for r in range(c.world)
+        if placements[placement](shape, r // c.tp, r % c.tp) is not None
+    }
+    return sorted(names)
+
+
 def write_sample(
     directory: str | os.PathLike[str],
     config: SampleConfig | None = None,
@@ -385,6 +401,7 @@ def write_sample(
     keep: Callable[[str, str], bool] | None = None,
     distcp: str | None = None,
     assets_dir: str | os.PathLike[str] | None = None,
+    exclusive: bool = False,
 ) -> list[str]:
     """Write the sample sharded checkpoint into ``directory`` (split over ``comm`` if given).
 
@@ -400,6 +417,8 @@ def write_sample(
         assets_dir: torchtitan kind only: also write the Hugging Face files an adapter needs here
             (:func:`write_hf_assets`); beside the checkpoint, never inside it (DCP's directory holds
             only what DCP writes).
+        exclusive: create every file exclusively: an existing entry of the same name is an error
+            (``FileExistsError``), never replaced.
 
     Returns the names of the files written into ``directory``.
     """
@@ -416,22 +435,23 @@ def write_sample(
     comm = as_communicator(comm) if comm is not None else None
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     chosen = keep or (lambda name, dtype: True)
+    mode = "xb" if exclusive else "wb"
 
     def work() -> list[ItemIndex]:
         os.makedirs(directory, exist_ok=True)
         if distcp is not None:
-            return [_write_distcp_ranks(directory, c, range(rank, c.world, size), chosen, distcp)]
+            return [_write_distcp_ranks(directory, c, range(rank, c.world, size), chosen, distcp, mode)]
         for index in range(1 + rank, c.files + 1, size):
             for train_rank, pieces in _pieces_of_file(c, index, chosen):
                 if pieces:
-                    _write_shard(os.path.join(directory, shard_file_name(train_rank + 1, index, c.files)), pieces)
+                    _write_shard(os.path.join(directory, shard_file_name(train_rank + 1, index, c.files)), pieces, mode)
         return []
 
     items = work() if comm is None else [part for parts in agree(comm, work, gather=True) for part in parts]
 
     def write_metadata() -> None:  # written last, as DCP does
         everything = {key: value for part in items for key, value in part.items()}
-        with open(os.path.join(directory, METADATA_NAME), "wb") as handle:
+        with open(os.path.join(directory, METADATA_NAME), mode) as handle:
             handle.write(_metadata_pickle(c, chosen, everything))
 
     if distcp is not None:
@@ -508,14 +528,21 @@ def _archive(data_pkl: bytes, data: bytes | None) -> bytes:
 
 
 def _write_distcp_ranks(
-    directory: str, c: SampleConfig, train_ranks: range, keep: Callable[[str, str], bool], serialization: str
+    directory: str, c: SampleConfig, train_ranks: range, keep: Callable[[str, str], bool], serialization: str, mode: str = "wb"
 ) -> ItemIndex:
     """Write ``__R_0.distcp`` for training ranks ``train_ranks``; returns (name, chunk offsets) → (file, offset, length)."""
     if serialization not in ("torch_save", "safetensors"):
         raise ValueError(f"unknown serialization {serialization!r} (torch_save or safetensors)")
     placements = _placements(c)
     names = {r: f"__{r}_0.distcp" for r in train_ranks}
-    handles = {r: open(os.path.join(directory, names[r]), "wb") for r in train_ranks}
+    handles: dict[int, Any] = {}
+    try:
+        for r in train_ranks:
+            handles[r] = open(os.path.join(directory, names[r]), mode)
+    except BaseException:
+        for handle in handles.values():
+            handle.close()
+        raise
     items: ItemIndex = {}
     blobs: dict[int, list[tuple[str, str, np.ndarray, tuple[int, ...]]]] = {r: [] for r in train_ranks}
     try:

@@ -39,6 +39,18 @@ def refuse_shards_among(location: str, names: Iterable[str], what: str) -> None:
         )
 
 
+def checkpoint_entries(path: str) -> list[str]:
+    """The files (or links) of a Hugging Face checkpoint already in the directory ``path``: names of its
+    pattern (``model-*-of-*.safetensors``, ``model.safetensors``, the index) and those its index lists."""
+    listed = _indexed_files(path)
+    return sorted(
+        entry.name
+        for entry in os.scandir(path)
+        if (CHECKPOINT_FILE.match(entry.name) or entry.name in listed)
+        and (entry.is_file(follow_symlinks=False) or entry.is_symlink())
+    )
+
+
 @dataclass
 class OutputDir:
     """The owner rank's hold on the output directory for one run."""
@@ -80,14 +92,7 @@ class OutputDir:
         (its naming pattern, or named by its index) go too, even when no name collides.
         """
         clash = [n for n in new if os.path.lexists(os.path.join(self.path, n))]
-        stale: list[str] = []
-        if checkpoint:
-            listed = _indexed_files(self.path)
-            for entry in os.scandir(self.path):
-                if entry.name in new or not (CHECKPOINT_FILE.match(entry.name) or entry.name in listed):
-                    continue
-                if entry.is_file(follow_symlinks=False) or entry.is_symlink():
-                    stale.append(entry.name)
+        stale = [n for n in checkpoint_entries(self.path) if n not in new] if checkpoint else []
         for name in clash:
             if os.path.isdir(os.path.join(self.path, name)) and not os.path.islink(os.path.join(self.path, name)):
                 raise InputError(f"{os.path.join(self.path, name)}: is a directory; mpicons never replaces a directory")
