@@ -7,13 +7,13 @@ import json
 import pydoc
 import subprocess
 import sys
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 from helpers import FIXTURES, cli, mpirun, subprocess_env
 
 from mpicons.core.options import Options
-from mpicons.core.reports import count_of, human_size
+from mpicons.core.reports import count_of, human_size, wrapped
 from mpicons.frontends.cli import build_parser, closing_report, job_options, main, parse_size
 from mpicons.job.consolidation import ConsolidateResult
 from mpicons.job.stats import PHASES, Spread, Stats
@@ -304,3 +304,17 @@ def test_io_threads_come_from_the_environment_when_the_options_are_made(monkeypa
     assert Options().io_threads == 0
     with pytest.raises(InputError, match="MPICONS_IO_THREADS must be"):
         Options(io_threads=-1).check(1)
+
+
+def test_closing_report_breaks_between_phrases_in_an_80_column_log():
+    """A Slurm log is 80 columns: '(not model' / 'state)' read as two statements."""
+    result = _result(["model.safetensors"], "/scratch/run/hf-step-10000-with-a-long-name/for-the-log")
+    result = replace(result, adapted=["skipped 23 saved tensors matching optimizer.** (not model state)"], skipped=[])
+    lines = closing_report(result, verbose=False, width=80)
+    assert all(len(line) <= 80 for line in lines), lines
+    assert "mpicons: adapter: skipped 23 saved tensors matching optimizer.**" in lines
+    assert "  (not model state)" in lines
+    assert wrapped(["mpicons: first part here, (kept, whole) second"], 32) == [
+        "mpicons: first part here,",
+        "  (kept, whole) second",  # no break at the comma inside the parenthesis
+    ]

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import MPIEXEC
+from helpers import MPIEXEC, start, subprocess_env
 from mpi4py import MPI
 from test_failures import INJECT, INPUT, mpirun
 
@@ -171,3 +171,34 @@ def test_human_bytes():
     assert human_bytes(999) == "999 B"
     assert human_bytes(1_500_000) == "1.50 MB"
     assert human_bytes(2.5e12) == "2.50 TB"
+
+
+def test_the_last_frame_after_a_stop_does_not_look_like_completion(monkeypatch):
+    """After Ctrl-C the final frame said 'took 0:00:03', as a finished run's does."""
+    monkeypatch.setenv("COLUMNS", "100")
+    monkeypatch.delenv("MPICONS_PROGRESS", raising=False)
+    stream = FakeTerminal()
+    reporter = Progress(as_communicator(MPI.COMM_SELF), total=4_000_000, interval=10, stream=stream)
+    reporter.tick = 0
+    reporter.last_print -= 1
+    reporter.add(1_000_000)
+    reporter.finish(stopped=True)
+    frames = stream.getvalue().split("\r")[1:]
+    assert len(frames) == 2 and len({len(frame.rstrip("\n")) for frame in frames}) == 1, frames
+    assert "stopped" in frames[-1] and "took" not in frames[-1] and " 25% " in frames[-1], frames
+
+
+def test_a_bar_ended_by_a_signal_on_another_rank_says_stopped(tmp_path):
+    """Rank 1 is signalled mid-write; rank 0, whose share completes, draws the last frame."""
+    env = subprocess_env(MPICONS_PROGRESS="bar", COLUMNS="100")
+    args = ["signal-write", "1", "--", "consolidate", INPUT, tmp_path / "out", "--progress", "0.01", "--split", "files"]
+    proc = start(2, INJECT, *args, env=env)
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+    assert proc.returncode != 0 and "interrupted by SIGTERM" in stderr, stderr
+    frames = [frame for frame in re.split(r"[\r\n]", stderr) if frame.startswith("[")]
+    assert frames and "stopped" in frames[-1] and "took" not in frames[-1], stderr

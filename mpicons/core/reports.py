@@ -119,18 +119,54 @@ def fit_items(head: str, items: Sequence[str], width: int, separator: str = ", "
 
 
 def wrapped(lines: Sequence[str], width: int) -> list[str]:
-    """Lines still longer than ``width`` broken between words (continuations indented two more columns),
-    never inside a word: a terminal's own wrapping cuts names and numbers in two."""
+    """Lines still longer than ``width`` broken between phrases where they can be (after a ``,``, ``;`` or
+    ``:``, before a ``(``, never inside parentheses), else between words; never inside a word.
+    Continuations are indented two more columns. A terminal's own wrapping cuts names and numbers in
+    two, and a line broken mid-phrase (``(not model`` / ``state)``) reads as two statements."""
     result: list[str] = []
     for line in lines:
         if len(line) <= width:
             result.append(line)
             continue
-        indent = " " * (len(line) - len(line.lstrip()) + 2)
-        result += textwrap.wrap(
-            line, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False, drop_whitespace=True
-        )
+        lead = line[: len(line) - len(line.lstrip())]
+        result += _fill_phrases(_phrases(line), width, lead, lead + "  ")
     return result
+
+
+def _phrases(line: str) -> list[str]:
+    """The words of ``line`` grouped into phrases: a phrase ends after a word ending in ``,;:`` and before
+    a word opening a parenthesis, wherever no parenthesis is open."""
+    phrases: list[list[str]] = []
+    depth = 0
+    for word in line.split():
+        if not phrases or (depth == 0 and (word.startswith("(") or phrases[-1][-1].endswith((",", ";", ":")))):
+            phrases.append([])
+        phrases[-1].append(word)
+        depth = max(0, depth + word.count("(") - word.count(")"))
+    return [" ".join(words) for words in phrases]
+
+
+def _fill_phrases(phrases: list[str], width: int, lead: str, indent: str) -> list[str]:
+    """Phrases packed into lines of ``width``: a phrase that does not fit goes whole to the next line when
+    the current one is at least half full and the phrase fits a line of its own; otherwise it is
+    broken between words."""
+    lines: list[str] = []
+    prefix, text = lead, ""
+    for phrase in phrases:
+        joined = f"{text} {phrase}" if text else phrase
+        if len(prefix) + len(joined) <= width:
+            text = joined
+        elif text and len(indent) + len(phrase) <= width and len(prefix) + len(text) >= width // 2:
+            lines.append(prefix + text)
+            prefix, text = indent, phrase
+        else:
+            parts = textwrap.wrap(
+                prefix + joined, width, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+            )
+            lines += parts[:-1]
+            prefix, text = (indent, parts[-1][len(indent) :]) if len(parts) > 1 else (prefix, joined)
+    lines.append(prefix + text)
+    return lines
 
 
 def skipped_parts(names: Sequence[str], show: int = 5) -> tuple[str, list[str]]:

@@ -476,6 +476,7 @@ def _write_share(
         channel = comm.duplicate() if options.progress or exchanging else comm
         reporter = Progress(channel, layout.total_bytes, options.progress, verbose=options.verbose) if options.progress else None
         on_bytes = reporter.add if reporter is not None else None
+        stopped = True  # until the share is done: a signal or an error on the way is no completion
         try:
             if not exchanging:
                 with raising_inside():
@@ -483,6 +484,7 @@ def _write_share(
                     written = Writer(
                         layout, part, sources, output, options.buffer_size, on_bytes, io_threads=options.io_threads
                     ).run()
+                stopped = False
                 return written, 0
             writer = ExchangeWriter(
                 layout,
@@ -498,11 +500,13 @@ def _write_share(
                 delegate=options.gather_to is None and output.any_rank_writes,
                 copies=output.any_rank_writes,
             )
-            return writer.run(), writer.sent
+            written = writer.run()
+            stopped = False
+            return written, writer.sent
         finally:
             # Always report the end, also after a failure, so rank 0 never waits for a report that will not come.
             if reporter is not None:
-                reporter.finish()
+                reporter.finish(stopped)
             wait_for_all(channel)
             if channel is not comm:
                 channel.free()

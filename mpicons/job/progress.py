@@ -167,6 +167,7 @@ class Progress:
         self.last_print = self.start
         self.counts = np.zeros(comm.size, dtype=np.int64)
         self.finished = np.zeros(comm.size, dtype=bool)
+        self.stopped = False  # some rank ended its share early (a signal, an error): the end is no completion
         self._request: Request | None = None
         self._outgoing = np.zeros(2, dtype=np.int64)
         self._incoming = np.zeros((comm.size, 2), dtype=np.int64)
@@ -187,14 +188,18 @@ class Progress:
         else:
             self._send(final=False)
 
-    def finish(self) -> None:
+    def finish(self, stopped: bool = False) -> None:
         """End of this rank's share: others report a last time (also after a failure, so rank 0 never
-        waits in vain); rank 0 keeps reporting until every rank did, then prints the final frame."""
+        waits in vain); rank 0 keeps reporting until every rank did, then prints the final frame.
+
+        ``stopped``: this rank's share ended early (a signal, an error). If any rank's did, the final
+        frame says ``stopped`` where a completed run's says how long it took."""
         if self.comm.rank != 0:
-            self._send(final=True)
+            self._send(final=True, stopped=stopped)
             if self._request is not None:
                 self._request.wait()
             return
+        self.stopped |= stopped
         self.finished[0] = True
         while not self.finished.all():
             self._poll()
@@ -202,12 +207,12 @@ class Progress:
             time.sleep(0.01)
         self._print(time.monotonic(), final=True)
 
-    def _send(self, final: bool) -> None:
+    def _send(self, final: bool, stopped: bool = False) -> None:
         if self._request is not None:
             if not final and not self._request.test():
                 return  # the previous report is still in flight: skip this one
             self._request.wait()
-        self._outgoing[:] = (self.done, int(final))
+        self._outgoing[:] = (self.done, _STOPPED if stopped else int(final))
         self._request = self.comm.isend(self._outgoing, 0, PROGRESS_TAG)
 
     def _poll(self) -> None:
@@ -215,6 +220,7 @@ class Progress:
             while request.test():
                 done, final = (int(x) for x in self._incoming[source])
                 self.counts[source] = done
+                self.stopped |= final == _STOPPED
                 if final:
                     self.finished[source] = True
                     del self._receiving[source]
@@ -275,7 +281,9 @@ class Progress:
             f"{100 * fraction:.0f}%",
             f"{human_bytes(done):>{widths[1] - 4 - len(human_bytes(self.total))}} of {human_bytes(self.total)}",
             f"{human_bytes(rate)}/s",
-            f"{'took' if final else 'ETA':<4} {_short_duration(seconds):>{_DURATION_WIDTH}}",
+            "stopped"
+            if final and self.stopped
+            else f"{'took' if final else 'ETA':<4} {_short_duration(seconds):>{_DURATION_WIDTH}}",
             f"{writing:>{len(str(size))}}/{size} ranks writing",
             f"slowest rank {slowest:>{len(str(size - 1))}} at {human_bytes(self.counts[slowest]):>{_BYTES_WIDTH}}",
         ]
@@ -304,6 +312,8 @@ class Progress:
 
 
 _SEPARATOR = "  "
+#: A rank's last report says its share ended early (1: it completed; 0: not its last report).
+_STOPPED = 2
 
 
 def _joined_width(widths: list[int]) -> int:
