@@ -318,3 +318,22 @@ def test_closing_report_breaks_between_phrases_in_an_80_column_log():
         "mpicons: first part here,",
         "  (kept, whole) second",  # no break at the comma inside the parenthesis
     ]
+
+
+@pytest.mark.parametrize("seconds", ["-1", "-0.5", "nan", "soon"])
+def test_a_negative_progress_interval_is_a_usage_error(capsys, seconds):
+    """--progress -1 used to turn progress off silently, as 0 does."""
+    with pytest.raises(SystemExit) as stopped:
+        build_parser().parse_args(["consolidate", "in", "out", "--progress", seconds])
+    assert stopped.value.code == 2
+    assert "argument --progress: " in capsys.readouterr().err
+    assert build_parser().parse_args(["consolidate", "in", "out", "--progress", "0"]).progress == 0
+
+
+def test_the_s3_part_size_is_echoed_in_the_unit_given():
+    from mpicons.core.errors import InputError
+
+    with pytest.raises(InputError, match=r"--s3-part-size 1 MiB \(1\.05 MB\) is not between 10 MiB and 5 GiB"):
+        Options(s3_part_size=parse_size("1M")).check(1)
+    with pytest.raises(InputError, match=r"--s3-part-size 6 GiB \(6\.44 GB\)"):
+        Options(s3_part_size=parse_size("6G")).check(1)

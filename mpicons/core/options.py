@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import InputError
+from .reports import human_size
 from .upload_parts import DEFAULT_PART_SIZE, MAX_PART, MIN_PART
 
 #: Every choice and default of the job's options, here once: ``Options``, its checks and the command line use them.
@@ -164,7 +165,12 @@ class Options:
         if isinstance(self.io_threads, bool) or not isinstance(self.io_threads, int) or self.io_threads < 0:
             raise InputError(f"{IO_THREADS_VARIABLE} must be a whole number of threads, 0 or more (got {self.io_threads!r})")
         if not 2 * MIN_PART <= self.s3_part_size <= MAX_PART:
-            raise InputError(f"--s3-part-size must be between 10MiB and 5GiB (got {self.s3_part_size} bytes)")
+            raise InputError(
+                f"--s3-part-size {human_size(self.s3_part_size)} is not between {2 * MIN_PART >> 20} MiB and "
+                f"{MAX_PART >> 30} GiB, S3's limits on a part (e.g. --s3-part-size 64M)"
+            )
+        if self.progress is not None and not self.progress >= 0:
+            raise InputError(f"progress must be a number of seconds, 0 or more, or None for none (got {self.progress!r})")
         if self.max_shard_size is not None and self.max_shard_size <= 0:
             raise InputError(f"--max-shard-size must be positive (got {self.max_shard_size})")
         if self.mapping is not None and self.max_shard_size is not None:

@@ -182,6 +182,17 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _seconds(text: str) -> float:
+    """An argparse type for a number of seconds, 0 or more (a negative or NaN is a usage error, not "off")."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or a positive number of seconds (got {text})")
+    return value
+
+
 #: The default buffer size as the options are written (``32M``).
 _BUFFER_SIZE_TEXT = f"{DEFAULT_BUFFER_SIZE >> 20}M"
 _MAPPING_HELP = "tensor → output file: {name: index} JSON or a model.safetensors.index.json"
@@ -401,7 +412,7 @@ def _add_run_options(cmd: argparse.ArgumentParser) -> None:
     )
     cmd.add_argument(
         "--progress",
-        type=float,
+        type=_seconds,
         default=DEFAULT_PROGRESS_SECONDS,
         metavar="N",
         help="progress line every N seconds on standard error (a bar on a terminal); 0 turns it off (default: %(default)s)",
@@ -435,7 +446,7 @@ def job_options(args: argparse.Namespace) -> Options:
         hints=dict(args.hint),
         force=args.force,
         break_lock=args.break_lock,
-        progress=None if args.quiet or args.progress <= 0 else args.progress,
+        progress=None if args.quiet or args.progress == 0 else args.progress,
         max_shard_size=args.max_shard_size,
         gather_to=args.gather_to,
         sync=args.sync,
