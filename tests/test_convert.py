@@ -8,7 +8,15 @@ import struct
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import FIXTURES, assert_consolidated, fixture_expected, index_weight_map, load_tensors, reference_bytes
+from helpers import (
+    FIXTURES,
+    assert_consolidated,
+    fixture_expected,
+    index_weight_map,
+    load_tensors,
+    reference_bytes,
+    run_python,
+)
 from mpi4py import MPI
 
 import mpicons
@@ -134,3 +142,31 @@ def test_plain_safetensors_checkpoint_is_copied_or_resharded(mpi_tmp_path):
     }
     assert_consolidated(mpi_tmp_path / "resharded", converted, index["weight_map"])
     assert all(load_tensors(mpi_tmp_path / "resharded" / f) for f in result.files)
+
+
+_SLOW_ML_DTYPES = """
+import json, sys, time
+import mpicons
+from mpicons.comm import SingleProcess
+
+class SlowImport:  # ml_dtypes takes 0.5-2 s to import on a loaded node: make that unmistakable
+    def find_spec(self, name, path=None, target=None):
+        if name == "ml_dtypes":
+            time.sleep(float(sys.argv[3]))
+        return None
+
+sys.meta_path.insert(0, SlowImport())
+result = mpicons.consolidate(sys.argv[1], sys.argv[2], comm=SingleProcess(), dtype="bf16")
+seconds = {phase: spread.max for phase, spread in result.stats.phases.items()}
+print(json.dumps({"phases": seconds, "total": result.stats.elapsed.max, "loaded": "ml_dtypes" in sys.modules}))
+"""
+
+
+def test_the_ml_dtypes_import_is_not_counted_as_writing(tmp_path):
+    """Its import at the first converted block made a small checkpoint's write rate look 10x slower."""
+    delay = 2.0
+    proc = run_python("-c", _SLOW_ML_DTYPES, FIXTURES / "edge-3ranks" / "sharded", tmp_path / "out", delay, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["loaded"]  # the conversion needed it
+    assert report["phases"]["write"] < delay / 2 and report["total"] < delay, report

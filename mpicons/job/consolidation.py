@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on, wait_for_all
 from ..comm.interrupts import deferred, forget_pending, raise_pending, raising_inside
+from ..core.convert import prepare_conversion
 from ..core.engine import block_budget, check_saved_views
 from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
@@ -249,6 +250,7 @@ def consolidate(
     agreed = options.with_changes(io_threads=0)  # background threads are each rank's own affair
     agree_arguments(comm, "consolidate", input=_absolute(input_dir), output=_absolute(output_dir), options=agreed)
     check_options(comm, options)
+    prepare_conversion(options.dtype)  # before the clock starts: an import is no writing
     if is_s3(output_dir):
         return _consolidate_to_s3(comm, input_dir, output_dir, options)
     owner = options.gather_to if options.gather_to is not None else 0
