@@ -11,7 +11,7 @@ writeback of the previous run to finish, and runs that could not are reported.
 Run it with the project's venv interpreter (it needs mpi4py and mpicons; torch is optional).
 
     python benchmarks/bench.py                       # 2 GB sample, ranks 1/2/4, best of 3
-    python benchmarks/bench.py --size 200MB --repeat 1 --json result.json
+    python benchmarks/bench.py --size 200MB --repeat 1 --json benchmarks/work/result.json
 
 Planning at scale (scan + plan of a 2,048-training-rank, 2.3-million-piece header-only
 checkpoint, memory per rank against ranks) is ``benchmarks/planning.py``; MoE-shaped checkpoints

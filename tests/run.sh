@@ -7,8 +7,8 @@
 # tests unless one is there, and with it transformers 5.24.0 (for the tests that load adapter
 # output as a model) unless that imports; MPICONS_TORCH=none installs neither and skips the torchrun
 # tests (tests needing transformers skip themselves when it is missing).
-#   bash tests/run.sh              # the default run: about eight minutes on two cores once installed
-#                                  # (serial 2.5, the four MPI passes 3, torchrun 2.5)
+#   bash tests/run.sh              # the default run: about nine minutes on two cores once installed
+#                                  # (serial 4.2, the four MPI passes 4.4, torchrun 0.25)
 #   bash tests/run.sh --run-slow   # everything: much longer (the slow tests are the large and
 #                                  # failure-injection runs)
 # The MPI and torch passes select their own tests (-m), so the tests they do not run are left out

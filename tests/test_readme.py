@@ -20,6 +20,7 @@ from mpicons.comm import SingleProcess
 from mpicons.sample import write_sample
 
 BLOCK = re.compile(r"^```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+SHELL = re.compile(r"^```(?:bash|sh)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
@@ -76,3 +77,42 @@ def test_the_torch_distributed_example_runs_under_torchrun(tmp_path: Path) -> No
     write_sample(tmp_path / "work" / "ckpt" / "sharded", comm=SingleProcess())
     _run([str(TORCHRUN), "--standalone", "--nproc-per-node", "2", str(script)], cwd=tmp_path / "work")
     assert (tmp_path / "work" / "ckpt" / "hf" / "model.safetensors.index.json").is_file()
+
+
+def test_the_readme_says_how_to_reach_mpicons_before_calling_it_by_name() -> None:
+    """After the quick start, mpicons and mpiexec are in .venv/bin, not on PATH: the first command that calls
+    them by name comes after the README says to activate the environment (or to use .venv/bin/)."""
+    text = (ROOT / "README.md").read_text()
+    bare = re.compile(r"^(mpiexec|mpicons|srun [^\n]*\bmpicons)\b", re.MULTILINE)
+    first = min(block.start() for block in SHELL.finditer(text) if bare.search(block.group(1)))
+    assert "source .venv/bin/activate" in text[:first]
+
+
+def _written_paths(block: str) -> list[str]:
+    """What a shell block writes, by path: redirections, report files, the demo's directory, outputs."""
+    paths = re.findall(r"(?<![0-9&>])>>?\s*([^\s&;]+)", block)
+    paths += re.findall(r"--(?:stats-)?json\s+(\S+)", block)
+    paths += re.findall(r"mpicons demo\s+([^\s-]\S*)", block)
+    paths += re.findall(r"mpicons consolidate\s+\S+\s+(\S+)", block)
+    return [path.strip("'\"") for path in paths]
+
+
+def _ignored(path: str) -> bool:
+    """Outside the checkout (a variable such as a temporary directory, an absolute path, a bucket) or
+    in a directory the checkout's .gitignore names."""
+    if path.startswith(("$", "/", "s3://", "~")):
+        return True
+    ignored = [line.strip() for line in (ROOT / ".gitignore").read_text().splitlines() if line.strip().endswith("/")]
+    return any((path.rstrip("/") + "/").startswith(directory) for directory in ignored)
+
+
+@pytest.mark.parametrize(
+    "document, marker",
+    [("README.md", "s3server.py serve"), ("docs/benchmarks.md", "# quick check")],
+)
+def test_try_outs_leave_no_stray_files_in_the_checkout(document: str, marker: str) -> None:
+    """The S3 try-out wrote s3-url.txt, the benchmarks' quick check result.json, into the repository root."""
+    (block,) = [b for b in SHELL.findall((ROOT / document).read_text()) if marker in b]
+    written = _written_paths(block)
+    assert written, block
+    assert [path for path in written if not _ignored(path)] == []
