@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from helpers import FIXTURES, mpirun, reference_bytes
+from helpers import DISTCP_FIXTURES, FIXTURES, mpirun, reference_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -106,6 +106,15 @@ def empty_dir(inp: Path) -> Expect:
         path.unlink()
     (inp / "README.txt").write_text("no shards here\n")  # a non-safetensors file is not a shard
     return Expect(r"no \*\.safetensors files found", str(inp))
+
+
+def shards_one_level_down(inp: Path) -> Expect:
+    """``ckpt/`` given for ``ckpt/sharded/``: the message names the subdirectory to pass."""
+    (inp / "sharded").mkdir()
+    for path in inp.glob("*.safetensors"):
+        path.rename(inp / "sharded" / path.name)
+    said = f"no *.safetensors files found; its subdirectory 'sharded' holds a checkpoint's files: pass {inp / 'sharded'}"
+    return Expect(re.escape(said), str(inp))
 
 
 def not_safetensors(inp: Path) -> Expect:
@@ -381,6 +390,7 @@ def replica_differs(inp: Path) -> Expect:
 CASES = [
     missing_dir,
     empty_dir,
+    shards_one_level_down,
     not_safetensors,
     too_short,
     truncated_data,
@@ -486,6 +496,21 @@ def test_bad_input_is_one_clear_error_under_mpiexec(tmp_path: Path, case: Callab
     assert proc.returncode == 2, proc.stderr
     _error_line(proc.stderr, expect, rank)
     assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_a_directory_above_checkpoints_names_them(tmp_path: Path) -> None:
+    """No shards in the directory, some in its subdirectories: consolidate and inspect name what to pass."""
+    shards = tmp_path / "ckpt" / "sharded"
+    shutil.copytree(SOURCE, shards)
+    for command in (["consolidate", tmp_path / "ckpt", tmp_path / "out"], ["inspect", tmp_path / "ckpt"]):
+        proc, _ = mpirun(2, ["-m", "mpicons", *map(str, command)], timeout=60)
+        assert proc.returncode == 2, proc.stderr
+        assert f"its subdirectory 'sharded' holds a checkpoint's files: pass {shards}" in proc.stderr
+    shutil.copytree(DISTCP_FIXTURES / "fsdp-3ranks" / "dcp", tmp_path / "ckpt" / "step-2")  # .metadata and .distcp
+    (tmp_path / "ckpt" / "notes").mkdir()
+    proc, _ = mpirun(1, ["-m", "mpicons", "consolidate", str(tmp_path / "ckpt"), str(tmp_path / "out")], timeout=60)
+    assert proc.returncode == 2 and "its subdirectories 'sharded', 'step-2' hold checkpoints' files" in proc.stderr
+    assert not (tmp_path / "out").exists()
 
 
 LONG = "n" * 300  # longer than any common file system's name limit (255 bytes)

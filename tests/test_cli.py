@@ -69,6 +69,8 @@ def test_every_consolidate_option_is_passed_on():
             "http://127.0.0.1:9000",
             "--s3-part-size",
             "16M",
+            "--expect-ranks",
+            "8",
         ]
     )
     options = job_options(args)
@@ -92,6 +94,7 @@ def test_every_consolidate_option_is_passed_on():
         keep_dtype=("*norm*",),
         s3_endpoint="http://127.0.0.1:9000",
         s3_part_size=16 << 20,
+        expect_ranks=8,
         sync=False,
         progress=3.0,
         verbose=True,

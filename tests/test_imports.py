@@ -35,6 +35,8 @@ MPI_MODULES = {"mpicons.comm.mpi", "mpicons.io.mpiio"}
 TORCH_MODULES = {"mpicons.comm.torch_group", "mpicons.frontends.torch_dropin", "mpicons.torch"}
 #: The only module that imports a storage client (boto3, botocore).
 S3_MODULES = {"mpicons.io.s3"}
+#: The only module that imports transformers (only when the process has it loaded already; else a child process does).
+TRANSFORMERS_MODULES = {"mpicons.job.model_check"}
 
 
 def _module_name(path: Path) -> str:
@@ -147,6 +149,8 @@ def test_each_module_imports_only_its_layer_and_lower_ones(module: str) -> None:
         assert module in TORCH_MODULES, f"{module} imports torch (only {sorted(TORCH_MODULES)} may)"
     if libraries & {"boto3", "botocore"}:
         assert module in S3_MODULES, f"{module} imports a storage client (only {sorted(S3_MODULES)} may)"
+    if "transformers" in libraries:
+        assert module in TRANSFORMERS_MODULES, f"{module} imports transformers (only {sorted(TRANSFORMERS_MODULES)} may)"
 
 
 def test_the_import_graph_has_no_cycle() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import struct
 from pathlib import Path
@@ -178,6 +179,14 @@ def test_an_s3_input_with_rank_in_it_is_refused(s3_endpoint: str, s3_bucket: str
 def test_an_empty_prefix_is_bad_input(s3_endpoint: str, s3_bucket: str) -> None:
     with pytest.raises(InputError, match=r"no \*\.safetensors files found"):
         scan(f"s3://{s3_bucket}/nothing", SingleProcess(), endpoint=s3_endpoint)
+
+
+def test_a_prefix_above_the_shards_names_them(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
+    """``s3://b/run`` given for ``s3://b/run/sharded``: the message names the prefix to pass."""
+    upload(s3_endpoint, s3_bucket, sample(tmp_path / "local", "hf"), "run/sharded")
+    wanted = f"its subdirectory 'sharded' holds a checkpoint's files: pass s3://{s3_bucket}/run/sharded"
+    with pytest.raises(InputError, match=re.escape(wanted)):
+        scan(f"s3://{s3_bucket}/run", SingleProcess(), endpoint=s3_endpoint)
 
 
 # ---------------------------------------------------------------- consolidate and inspect from S3

@@ -104,6 +104,17 @@ def test_the_input_is_never_the_output(s3_endpoint, s3_bucket):
         mpicons.consolidate(f"s3://{s3_bucket}//p", f"s3://{s3_bucket}/p", s3_endpoint=s3_endpoint)
 
 
+def test_the_output_is_never_inside_the_input(s3_endpoint: str, s3_bucket: str) -> None:
+    """As for directories: ``s3://b/shards`` → ``s3://b/shards/hf`` is refused; a sibling or the parent is not inside."""
+    for source, target in (("shards", "shards/hf"), ("shards", "shards/a/b"), ("", "hf")):
+        with pytest.raises(InputError, match="the output is inside the input"):
+            mpicons.consolidate(f"s3://{s3_bucket}/{source}", f"s3://{s3_bucket}/{target}", s3_endpoint=s3_endpoint)
+    for source, target in (("shards", "shards-hf"), ("run/shards", "run")):
+        with pytest.raises(InputError) as caught:
+            mpicons.consolidate(f"s3://{s3_bucket}/{source}", f"s3://{s3_bucket}/{target}", s3_endpoint=s3_endpoint)
+        assert "inside the input" not in str(caught.value)  # refused later: there are no shards there
+
+
 def test_a_held_lock_is_refused_and_broken_only_when_asked(sharded, s3_endpoint, s3_bucket, tmp_path):
     s3 = s3server.client(s3_endpoint)
     s3.put_object(Bucket=s3_bucket, Key="hf/.mpicons.lock", Body=b"not ours")

@@ -179,6 +179,37 @@ def test_the_parent_of_the_input_may_be_the_output(tmp_path):
     expect_edge(tmp_path / "ckpt")
 
 
+def test_an_output_inside_the_input_is_refused(tmp_path):
+    """``consolidate ckpt/sharded ckpt/sharded/hf``: nothing is written below the shards, by any entry point,
+    whatever the path looks like (deeper, through a link, a rank's own {rank} directory, a report file)."""
+    import mpicons
+    from mpicons.comm import SingleProcess
+    from mpicons.core.errors import InputError
+
+    shards = tmp_path / "ckpt" / "sharded"
+    shutil.copytree(INPUT, shards)
+    before = digest(shards)
+    proc, _ = cli(2, "consolidate", shards, shards / "hf", "--force")
+    assert proc.returncode == 2, proc.stderr
+    assert f"{shards / 'hf'}: output directory is inside the input directory {shards}" in one_error(proc)
+    assert f"(its parent, {shards.parent}, may be the output)" in one_error(proc)
+    (tmp_path / "link").symlink_to(shards)
+    for output in (shards / "a" / "b", tmp_path / "link" / "hf"):
+        with pytest.raises(InputError, match="output directory is inside the input directory"):
+            mpicons.consolidate(shards, output, comm=SingleProcess())
+    for command in (["inspect", shards, "--json"], ["consolidate", shards, tmp_path / "out", "--stats-json"]):
+        proc, _ = cli(1, *command, shards / "report.json")
+        assert proc.returncode == 2 and "the report would be written inside the input directory" in one_error(proc)
+    assert digest(shards) == before
+    for rank in range(3):  # {rank}: inside any rank's own directory
+        (tmp_path / f"d{rank}").mkdir()
+    for i, path in enumerate(sorted(INPUT.iterdir())):
+        shutil.copy(path, tmp_path / f"d{i % 3}" / path.name)
+    proc, _ = cli(3, "consolidate", tmp_path / "d{rank}", tmp_path / "d1" / "hf")
+    assert proc.returncode == 2 and "output directory is inside the input directory" in one_error(proc)
+    assert "(rank 1's" in one_error(proc) and not (tmp_path / "d1" / "hf").exists()
+
+
 @pytest.mark.parametrize(
     "layout, force",
     slow_beyond([("safetensors", False), ("distcp", True), ("safetensors", True), ("distcp", False)], 2),

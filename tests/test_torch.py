@@ -145,6 +145,18 @@ def test_the_drop_in_writes_a_torchtitan_checkpoint_into_the_parent(group: objec
     agreed(on_rank_0(lambda: assert_consolidated(checkpoint, expected, index_weight_map(mapping))))
 
 
+def test_the_drop_in_refuses_an_output_inside_the_input(group: object, shared_tmp: Path) -> None:
+    """``CHECKPOINT/sharded`` → ``CHECKPOINT/sharded/hf``: bad input on every member, nothing made below the shards."""
+    checkpoint = shared_tmp / "inside"
+    if dist.get_rank() == 0:
+        shutil.copytree(FIXTURES / "fsdp2-3ranks" / "sharded", checkpoint / "sharded")
+    dist.barrier()
+    _, mapping = fixture_expected("fsdp2-3ranks")
+    with pytest.raises(InputError, match="output directory is inside the input directory"):
+        consolidate_safetensors_files_on_every_rank(str(checkpoint / "sharded"), str(checkpoint / "sharded" / "hf"), mapping)
+    agreed(lambda: None if not (checkpoint / "sharded" / "hf").exists() else pytest.fail("hf was made"))
+
+
 def test_the_drop_in_without_a_process_group_runs_in_one_process(group: object, shared_tmp: Path) -> None:
     """As torch's function: torch.distributed not initialized → this process alone (and no MPI)."""
     out = shared_tmp / "out"

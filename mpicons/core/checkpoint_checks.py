@@ -43,6 +43,9 @@ class VerifyReport:
     #: Entries not read: not regular files (links unless followed, FIFOs, devices), or a lock mpicons
     #: cannot read as its own. The directory cannot be checked as it is (the command line exits 2).
     refused: list[str] = field(default_factory=list)
+    #: With ``against`` in DCP's Hugging Face layout (no full shapes recorded): what an OK rests on, or
+    #: what could not be known (:func:`~mpicons.core.completeness.caveat`).
+    caveat: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -62,7 +65,8 @@ class VerifyReport:
             )
         if self.refused:
             checked += f"; {_count(len(self.refused), 'entry', 'entries')} not read (see above)"
-        return f"mpicons verify: {status}: {self.output_dir} ({checked}) on {_count(self.ranks, 'rank')}"
+        line = f"mpicons verify: {status}: {self.output_dir} ({checked}) on {_count(self.ranks, 'rank')}"
+        return line if self.caveat is None or not self.ok else f"{line}; {self.caveat}"
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -78,6 +82,7 @@ class VerifyReport:
             "compared_bytes": self.compared_bytes,
             "problems": [p.to_dict() for p in self.problems],
             "refused": list(self.refused),
+            "caveat": self.caveat,
         }
 
 

@@ -7,6 +7,7 @@ the missing-shard hint built on them, and the files of DCP's default format (``.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Sequence
 
@@ -83,6 +84,18 @@ def missing_shards(files: Sequence[str], show: int = 3) -> tuple[int, int, list[
     return missing, expected, found[:show]
 
 
+def nested_hint(location: str, nested: Sequence[str]) -> str:
+    """``; its subdirectory 'sharded' holds ...: pass DIR/sharded``, for a location (a directory or an
+    ``s3://`` prefix) one level above the checkpoints in ``nested``; empty when there are none."""
+    if not nested:
+        return ""
+    if len(nested) == 1:
+        return f"; its subdirectory {nested[0]!r} holds a checkpoint's files: pass {posixpath.join(location, nested[0])}"
+    shown = ", ".join(repr(name) for name in nested[:4]) + (", ..." if len(nested) > 4 else "")
+    example = posixpath.join(location, nested[-1])
+    return f"; its subdirectories {shown} hold checkpoints' files: pass one of them, e.g. {example}"
+
+
 __all__ = [
     "INDEX_NAME",
     "SINGLE_FILE_NAME",
@@ -97,4 +110,5 @@ __all__ = [
     "shard_file_name",
     "parse_shard_name",
     "missing_shards",
+    "nested_hint",
 ]

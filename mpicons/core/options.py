@@ -130,7 +130,16 @@ class Options:
         None,
         "A directory of the model's Hugging Face files (``config.json``, tokenizer files, ``generation_config.json``; "
         "optionally ``model.safetensors.index.json``, whose ``weight_map`` then decides the output files). They are "
-        "published with the weights, in the same transaction. Required by an adapter whose rules read the config.",
+        "published with the weights, in the same transaction. Required by an adapter whose rules read the config. "
+        "Every output tensor the model has must have the model's shape (also with a ``config.json`` beside the "
+        "input when this is None): a checkpoint missing a training rank's files is refused.",
+    )
+    expect_ranks: int | None = _option(
+        None,
+        "How many training ranks saved the checkpoint: its shard files must come from exactly these ranks "
+        "(``shard-RRRRR-*`` numbered 1..N as torch names them, ``__R_*.distcp`` 0..N-1), else bad input naming "
+        "the missing ranks. DCP's Hugging Face layout records no full shapes, so this catches a checkpoint "
+        "missing its last rank's files when no ``config.json`` is at hand. None: not checked.",
     )
     keep_dtype: tuple[str, ...] = _option(
         (), "Glob patterns (on the output name): with ``dtype``, tensors matching one keep their saved dtype."
@@ -184,6 +193,10 @@ class Options:
             raise InputError(f"--adapter is 'torchtitan' or a rule file's path (got {self.adapter!r})")
         if self.strip_prefix is not None and (not isinstance(self.strip_prefix, str) or not self.strip_prefix):
             raise InputError(f"--strip-prefix must be a non-empty string (got {self.strip_prefix!r})")
+        if self.expect_ranks is not None and (
+            isinstance(self.expect_ranks, bool) or not isinstance(self.expect_ranks, int) or self.expect_ranks < 1
+        ):
+            raise InputError(f"--expect-ranks must be a positive number of training ranks (got {self.expect_ranks!r})")
         if self.gather_to is not None:
             if not 0 <= self.gather_to < ranks:
                 raise InputError(f"--gather-to {self.gather_to}: no such rank (the job has {ranks})")

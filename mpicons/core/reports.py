@@ -24,6 +24,8 @@ KINDS: dict[str, str] = {
     "empty": "the checkpoint holds no tensors",
     "not dcp": "a shard file without DCP sharding information among DCP shards",
     "shard name": "shard file names that do not say consistently which output file each feeds",
+    "ranks": "the shard files do not come from exactly the training ranks --expect-ranks gives",
+    "model shape": "a tensor's shape differs from the one the model's config.json gives it (a missing training rank?)",
     "unreadable": "a file that cannot be read (the system's reason given), or that changed while read",
     # verify: a consolidated checkpoint as it is on disk
     "refused": "an entry verify does not open: a link (unless followed), a FIFO, a device, a directory",

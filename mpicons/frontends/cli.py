@@ -330,6 +330,13 @@ def _add_selection_options(cmd: argparse.ArgumentParser) -> None:
         "(default: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, else AWS)",
     )
     cmd.add_argument(
+        "--expect-ranks",
+        type=_int_at_least(1),
+        metavar="N",
+        help="the checkpoint was saved by N training ranks: its shard files must come from exactly those "
+        "(catches a checkpoint missing its last rank's files, which DCP's Hugging Face layout cannot show)",
+    )
+    cmd.add_argument(
         "--keep-dtype",
         action="append",
         default=[],
@@ -348,6 +355,7 @@ def _selection(args: argparse.Namespace) -> dict[str, Any]:
         "hf_assets": args.hf_assets,
         "keep_dtype": tuple(args.keep_dtype),
         "s3_endpoint": args.s3_endpoint,
+        "expect_ranks": args.expect_ranks,
     }
 
 
@@ -458,20 +466,39 @@ def job_options(args: argparse.Namespace) -> Options:
 # ---------------------------------------------------------------- report files
 
 
-def check_report_path(path: str | None) -> None:
-    """Refuse, before any work, a report path that cannot be written ('-' is standard output)."""
+def check_report_path(path: str | None, inputs: Sequence[str | None] = ()) -> None:
+    """Refuse, before any work, a report path that cannot be written ('-' is standard output), or that lies
+    inside one of the ``inputs`` (shard directories: rank 0's, which writes the report)."""
     if path is None or path == "-":
         return
     from ..core.machine import check_path_fits
 
     check_path_fits(path, "report path name")
     parent = os.path.dirname(os.path.abspath(path))
+    _refuse_inside_inputs(path, parent, inputs)
     if os.path.isdir(path):
         raise InputError(f"{path}: is a directory, not a file for the report")
     if not os.path.isdir(parent):
         raise InputError(f"{path}: cannot write the report there ({parent} is not a directory)")
     if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
         raise InputError(f"{path}: cannot write the report there (no write permission, or a read-only file system)")
+
+
+def _refuse_inside_inputs(path: str, parent: str, inputs: Sequence[str | None]) -> None:
+    """A report is an output: never written among or below the shards (as the output directory is not)."""
+    from ..io.inputs import rank_directory
+    from ..io.outdir import directory_identity, identities_up
+    from ..io.s3 import is_s3
+
+    above = {identity for _, identity in identities_up(parent)}
+    for input_dir in inputs:
+        if input_dir is None or is_s3(input_dir):
+            continue
+        if directory_identity(rank_directory(input_dir, 0)) in above:
+            raise InputError(
+                f"{path}: the report would be written inside the input directory {input_dir}: mpicons never writes "
+                "among or below the shards it reads; give a path outside it"
+            )
 
 
 def write_report(comm: Comm, path: str | None, make: Callable[[], object], root: int = 0) -> None:
@@ -493,12 +520,12 @@ def write_report(comm: Comm, path: str | None, make: Callable[[], object], root:
         agree_on(comm, root, write)
 
 
-def _check_report_paths(comm: Comm, *paths: str | None) -> None:
+def _check_report_paths(comm: Comm, *paths: str | None, inputs: Sequence[str | None] = ()) -> None:
     from ..comm.agreement import agree_on
 
     def check() -> None:
         for path in paths:
-            check_report_path(path)
+            check_report_path(path, inputs)
 
     agree_on(comm, 0, check)
 
@@ -570,7 +597,7 @@ def _stats_report(result: ConsolidateResult) -> dict[str, object]:
 def _cmd_consolidate(args: argparse.Namespace, comm: Comm) -> int:
     from ..job.consolidation import consolidate
 
-    _check_report_paths(comm, args.stats_json)
+    _check_report_paths(comm, args.stats_json, inputs=[args.input_dir])
     result = consolidate(args.input_dir, args.output_dir, job_options(args), comm=comm)
     _print_result(args, comm, result)
     write_report(comm, args.stats_json, lambda: _stats_report(result))
@@ -620,7 +647,7 @@ def _cmd_verify(args: argparse.Namespace, comm: Comm) -> int:
     holding entries verify does not read (links unless followed, FIFOs, devices)."""
     from .verification import verify
 
-    _check_report_paths(comm, args.json)
+    _check_report_paths(comm, args.json, inputs=[args.against])
     report = verify(
         args.output_dir,
         against=args.against,
@@ -642,7 +669,7 @@ def _cmd_inspect(args: argparse.Namespace, comm: Comm) -> int:
     """Exit 0 when the checkpoint can be consolidated, 2 when it has problems (the report is printed either way)."""
     from .inspection import inspect
 
-    _check_report_paths(comm, args.json)
+    _check_report_paths(comm, args.json, inputs=[args.input_dir])
     report = inspect(
         args.input_dir,
         comm=comm,

@@ -21,6 +21,7 @@ import numpy as np
 from ..comm import as_communicator
 from ..comm.agreement import agree, agree_arguments, agree_on
 from ..core.adapting import Conversion
+from ..core.completeness import UNCHECKED_HINT, caveat, rank_problem
 from ..core.errors import InputError
 from ..core.facts import TensorFacts
 from ..core.layout import Layout
@@ -29,13 +30,14 @@ from ..core.options import Options
 from ..core.owners import RowOwners
 from ..core.planner import natural_key
 from ..core.problems import Problems
-from ..core.reports import Problem, human_bytes, skipped_entries
+from ..core.reports import Problem, human_bytes, skipped_entries, wrapped
 from ..core.reports import count_of as _count
 from ..core.split import SPLITS
 from ..core.table import ShardFiles
 from ..io.s3 import is_s3
 from ..job.adaptation import convert_scanned, load_adapter
 from ..job.consolidation import layout_of, load_mapping, mapping_of
+from ..job.model_check import judge, layout_tensors
 from ..job.scan import distribute, scan, select
 
 #: Width the table output is laid out for.
@@ -161,6 +163,9 @@ class InspectReport:
     #: The model adapter's rule set and mapping (``--adapter``), a row per saved tensor; None without one.
     adapter: str | None = None
     mapping_rows: list[MappingInfo] = field(default_factory=list)
+    #: What an OK rests on when the format records no full shapes (DCP's Hugging Face layout): the checks
+    #: made (the model's config, ``--expect-ranks``) or what could not be known; None for other formats.
+    caveat: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -203,6 +208,7 @@ class InspectReport:
             "format": self.format,
             "skipped": list(self.skipped),
             "adapter": self.adapter,
+            "caveat": self.caveat,
             "adapter_mapping": [{**dataclasses.asdict(m), "targets": list(m.targets)} for m in self.mapping_rows],
             "summary": {
                 "shard_files": len(self.shards),
@@ -274,20 +280,25 @@ def inspect(
         raise InputError(f"ranks must be a positive integer (got {ranks!r})")
     options.check(comm.size)
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-    adapter = load_adapter(comm, options)
+    adapter = load_adapter(comm, options, input_dir=input_dir)
     # Tensors with pieces the scan cannot read are listed as problems, each of them, not raised.
-    scanned = select(
-        scan(input_dir, comm, listing=True, endpoint=options.s3_endpoint), options.include, options.exclude, options.strip_prefix
-    )
+    scanned = scan(input_dir, comm, listing=True, endpoint=options.s3_endpoint)
+    problems = Problems(strict=False)
+    ranks_problem = None if options.expect_ranks is None else rank_problem(scanned.files, options.expect_ranks, input_dir)
+    if ranks_problem is not None:
+        problems.add(ranks_problem)
+    scanned = select(scanned, options.include, options.exclude, options.strip_prefix)
     saved_names = scanned.names
     if adapter.rules is not None:
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
     mapping = mapping_of(options, mapping, scanned, adapter)
-    problems = Problems(strict=False)
     position = {name: t for t, name in enumerate(scanned.names)}
     for name in sorted(scanned.unreadable):
         problems.add(Problem(scanned.unreadable[name], name, kind="unreadable"), position[name])
     layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, problems))
+    verdict = judge(comm, layout_tensors(layout), adapter.model)
+    for t, problem in verdict.problems():
+        problems.add(problem, t)
     file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
     comm.allreduce_array(file_pieces, "sum")
     part = distribute(comm, scanned, layout, problems)
@@ -315,6 +326,9 @@ def inspect(
     if scanned.conversion is not None:
         report.adapter = scanned.conversion.rules
         report.mapping_rows = mapping_infos(saved_names, scanned.conversion)
+    report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))
+    if report.caveat is not None and options.expect_ranks is None and verdict.checked(scanned.names) is None:
+        report.notes.append(UNCHECKED_HINT)
     return report
 
 
@@ -490,7 +504,8 @@ def _summary(report: InspectReport) -> list[str]:
         out.append(f"  plan     none for {_count(report.ranks, 'rank')}{preview}: the checkpoint has problems")
     if report.mapping is not None:
         out.append(f"  mapping  {report.mapping}")
-    out.append("  status   " + ("OK" if report.ok else f"{_count(len(report.problems), 'problem')} (listed at the end)"))
+    status = "OK" if report.ok else f"{_count(len(report.problems), 'problem')} (listed at the end)"
+    out += wrapped([f"  status   {status}" + ("" if report.caveat is None or not report.ok else f"; {report.caveat}")], WIDTH)
     return out
 
 
@@ -540,7 +555,7 @@ def _render(report: InspectReport, limit: int) -> list[str]:
     columns = "*shard file|>training rank|>output #|>pieces|>size"
     out += _table("shard files", report.shards, limit, "shard file", columns, shard_row)
     if report.notes:
-        out += ["", *(f"note: {note}" for note in report.notes)]
+        out += ["", *wrapped([f"note: {note}" for note in report.notes], WIDTH)]
     if report.problems:
         heading, shown = _section("problems", len(report.problems), limit)
         out += ["", heading, *(f"  {p}" for p in report.problems[:shown]), *_more(len(report.problems), shown, "problem")]

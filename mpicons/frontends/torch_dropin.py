@@ -31,7 +31,7 @@ def consolidate_safetensors_files_on_every_rank(
     Parameters:
         input_dir: the shards (``shard-*-model-*.safetensors``, as DCP's HuggingFaceStorageWriter saves them).
         output_dir: where ``model-IIIII-of-NNNNN.safetensors`` and the index go; may be the input's parent
-            (torchtitan's ``CHECKPOINT/sharded`` → ``CHECKPOINT``), never an input directory.
+            (torchtitan's ``CHECKPOINT/sharded`` → ``CHECKPOINT``), never an input directory nor inside one.
         fqn_to_index_mapping: tensor name → output file index from 1, as for torch; must name exactly
             the checkpoint's tensors.
         num_threads: accepted for compatibility; mpicons' parallelism is the group's ranks (each with

@@ -22,6 +22,7 @@ from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on
 from ..comm.interrupts import deferred
 from ..core.checkpoint_checks import Diff, FileResult, Listing, Located, VerifyReport, against_checks, cross_check, diff_problems
+from ..core.completeness import caveat, rank_problem
 from ..core.engine import (
     Assembler,
     Block,
@@ -44,6 +45,7 @@ from ..io.sources import SourceFiles
 from ..job.adaptation import convert_scanned, load_adapter
 from ..job.consolidation import check_buffer_fits
 from ..job.exchange import ExchangeWriter
+from ..job.model_check import judge, layout_tensors
 from ..job.scan import Scanned, distribute, open_sources, scan, select
 from .output_reading import MAX_INDEX_SIZE, OutputFiles, check_file, list_output, open_regular
 
@@ -228,7 +230,7 @@ def verify(
     if against is not None:
         checked = _Checked(output_dir, listing, results, located, follow_links)
         problems += _compare_with_shards(comm, against, options, checked, report)
-    report.problems = sorted(problems, key=lambda p: (p.path, p.tensor or "", p.what))
+    report.problems = sorted(problems, key=lambda p: (p.path or "", p.tensor or "", p.what))
     names = set(listing.refused) | {r.name for r in results if r.refused}
     report.refused = sorted(os.path.join(output_dir, name) for name in names)
     return report
@@ -258,8 +260,10 @@ class _Checked:
 def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _Checked, report: VerifyReport) -> list[Problem]:
     """Every tensor of the shards in ``against`` compared with the output; the counts go into ``report``."""
     output_dir, located = checked.output_dir, checked.located
-    adapter = load_adapter(comm, options)
-    scanned = select(scan(against, comm, endpoint=options.s3_endpoint), options.include, options.exclude, options.strip_prefix)
+    adapter = load_adapter(comm, options, input_dir=against)
+    scanned = scan(against, comm, endpoint=options.s3_endpoint)
+    ranks_problem = None if options.expect_ranks is None else rank_problem(scanned.files, options.expect_ranks, against)
+    scanned = select(scanned, options.include, options.exclude, options.strip_prefix)
     if adapter.rules is not None:  # the shards' tensors as the adapter made them
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
     views = None if scanned.conversion is None else scanned.conversion.views()
@@ -278,6 +282,9 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
     part = distribute(comm, scanned, layout)
     agree(comm, lambda: check_saved_views(layout, part, block_budget(options.buffer_size, 4)))
     comparable, problems = against_checks(layout, against, output_dir, checked.listing, checked.results, located)
+    verdict = judge(comm, layout_tensors(layout), adapter.model)
+    problems += ([] if ranks_problem is None else [ranks_problem]) + [p for _, p in verdict.problems()]
+    report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))
     shares = agree(
         comm,
         lambda: _compare_share(

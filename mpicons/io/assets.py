@@ -120,6 +120,11 @@ def read_assets(directory: str | os.PathLike[str]) -> HFAssets:
     return HFAssets(path, config, weight_map, tuple(kept), tuple(notes), config_bytes)
 
 
+def read_config(path: str) -> dict[str, Any]:
+    """A model's ``config.json`` at ``path`` (a regular file, or a link to one), parsed: bounded, a JSON object."""
+    return _parse_config(path, _read_file(path))
+
+
 def asset_names(assets: HFAssets) -> list[str]:
     """The names the assets take in the output directory (for the replaced-entries check before staging)."""
     return list(assets.files)

@@ -9,11 +9,14 @@ scan and the writers ask the store, never the filesystem, so an object store is 
 
 from __future__ import annotations
 
+import builtins
 import os
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
 from ..core.byte_sources import ByteSource, PosixSource
+from ..core.errors import InputError
 from ..core.headers import INPUT_SUFFIXES, list_shards
 from ..core.names import METADATA_NAME
 from .s3 import is_s3
@@ -43,6 +46,11 @@ class InputStore(Protocol):
 
     def open(self, name: str, size: int | None = None) -> ByteSource:
         """Input file ``name`` for ranged reads; ``size`` is its listed size (an object store needs it)."""
+        ...
+
+    def nested(self) -> builtins.list[str]:
+        """The subdirectories (sub-prefixes) directly below that hold input files, by name: a bounded look,
+        for the hint when the location itself holds none (``ckpt/`` given for ``ckpt/sharded/``)."""
         ...
 
     def sources(self, names: Sequence[str]) -> SourceFiles:
@@ -75,8 +83,51 @@ class PosixInputs:
     def open(self, name: str, size: int | None = None) -> ByteSource:
         return PosixSource(self.path(name))
 
+    def nested(self) -> builtins.list[str]:
+        try:
+            below = sorted(e.name for e in os.scandir(self.location) if not e.name.startswith(".") and e.is_dir())
+        except OSError:
+            return []
+        return [name for name in below[:NESTED_LOOKS] if PosixInputs(self.path(name)).holds_inputs()]
+
+    def holds_inputs(self) -> bool:
+        try:
+            return bool(self.list()[0])
+        except (InputError, OSError):
+            return False
+
     def sources(self, names: Sequence[str]) -> SourceFiles:
         return SourceFiles(self.location, names)
+
+
+#: Subdirectories looked into for the hint of :meth:`InputStore.nested` (a directory of many runs is not read whole).
+NESTED_LOOKS = 64
+#: A rank number in a ``{rank}`` path, as ``str(rank)`` writes it (no sign, no leading zero).
+_RANK_NUMBER = "(0|[1-9][0-9]*)"
+#: Ranks probed one by one beyond the job's when the directory holding the ``{rank}`` directories cannot be listed.
+PROBED_RANKS = 8
+
+
+def rank_directory(input_dir: str, rank: int) -> str:
+    """``input_dir`` with ``{rank}`` replaced: each rank's own directory of node-local shards."""
+    return input_dir.replace("{rank}", str(rank))
+
+
+def rank_directories_beyond(input_dir: str, ranks: int) -> list[tuple[int, str]]:
+    """The directories a ``{rank}`` path names for ranks ``ranks`` and above that exist here, sorted by rank.
+
+    The directory holding the first ``{rank}`` component is listed once (``/local/ckpt-{rank}``: ``/local``)
+    and the names matching the pattern kept; if it cannot be listed, the next few ranks are probed.
+    """
+    parts = input_dir.split(os.sep)
+    at = next(i for i, part in enumerate(parts) if "{rank}" in part)
+    parent = os.sep.join(parts[:at]) or (os.sep if input_dir.startswith(os.sep) else os.curdir)
+    pattern = re.compile("^" + _RANK_NUMBER.join(re.escape(text) for text in parts[at].split("{rank}")) + "$")
+    try:
+        numbers = sorted({int(m.group(1)) for m in map(pattern.match, os.listdir(parent)) if m and len(set(m.groups())) == 1})
+    except OSError:
+        numbers = list(range(ranks, ranks + PROBED_RANKS))
+    return [(n, rank_directory(input_dir, n)) for n in numbers if n >= ranks and os.path.isdir(rank_directory(input_dir, n))]
 
 
 def open_inputs(location: str, endpoint: str | None = None) -> InputStore:
@@ -89,4 +140,4 @@ def open_inputs(location: str, endpoint: str | None = None) -> InputStore:
     return PosixInputs(location)
 
 
-__all__ = ["InputStore", "PosixInputs", "open_inputs"]
+__all__ = ["InputStore", "PosixInputs", "open_inputs", "rank_directory", "rank_directories_beyond"]

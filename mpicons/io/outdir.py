@@ -51,6 +51,30 @@ def checkpoint_entries(path: str) -> list[str]:
     )
 
 
+def directory_identity(path: str) -> tuple[int, int] | None:
+    """(device, inode) of what ``path`` leads to, None when nothing is there: how two paths are compared."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def identities_up(path: str) -> list[tuple[str, tuple[int, int]]]:
+    """``path`` (links resolved) and every directory above it, each that exists with its identity, ``path`` first:
+    what an output directory must not be (an input directory) nor lie below (inside an input directory)."""
+    chain = []
+    current = os.path.realpath(path)
+    while True:
+        identity = directory_identity(current)
+        if identity is not None:
+            chain.append((current, identity))
+        parent = os.path.dirname(current)
+        if parent == current:
+            return chain
+        current = parent
+
+
 @dataclass
 class OutputDir:
     """The owner rank's hold on the output directory for one run."""

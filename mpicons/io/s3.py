@@ -328,6 +328,15 @@ class S3Client:
             self.failure(exc, "listing the objects")
         return sorted(found)
 
+    def list_below(self, limit: int = 1000) -> builtins.list[str]:
+        """Keys one level below the prefix (``sub/name``, relative to it), from one listing of at most
+        ``limit`` keys: a hint of where a checkpoint is, not an inventory."""
+        prefix = self.location.list_prefix()
+        bucket = self.location.bucket
+        page = self._call("listing the objects", "", self._client.list_objects_v2, Bucket=bucket, Prefix=prefix, MaxKeys=limit)
+        keys = (str(item["Key"])[len(prefix) :] for item in page.get("Contents") or ())
+        return [key for key in keys if key.count("/") == 1 and not key.endswith("/")]
+
     def read(self, name: str, offset: int, length: int) -> bytes:
         """``length`` bytes of object ``name`` from ``offset`` (one ranged GET)."""
         buffer = bytearray(length)

@@ -9,6 +9,7 @@ a rank's GETs are made one after another, the ranks' in parallel.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Sequence
 
 from ..core.byte_sources import ByteSource
@@ -82,6 +83,10 @@ class S3Inputs:
 
     def sources(self, names: Sequence[str]) -> SourceFiles:
         return S3SourceFiles(self.client, names)
+
+    def nested(self) -> builtins.list[str]:
+        below = [key.split("/") for key in self.client.list_below()]
+        return sorted({sub for sub, name in below if input_files([(name, 0)])[0]})
 
 
 __all__ = ["S3Object", "S3SourceFiles", "S3Inputs"]

@@ -22,6 +22,7 @@ from ..core.facts import FACT_KEY, piece_destinations
 from ..core.format import DTYPES
 from ..core.options import Options
 from ..io.regular_files import NotRegular, kind_of, open_regular, read_bounded
+from .model_check import ModelConfig, load_model_config
 from .scan import Scanned, reduce_facts
 
 if TYPE_CHECKING:
@@ -33,10 +34,12 @@ MAX_RULE_FILE = 1 << 20
 
 @dataclass(frozen=True)
 class Adapter:
-    """What the options ask of the model's files: the rules (None: no adapter) and the assets (None: none)."""
+    """What the options ask of the model's files: the rules (None: no adapter), the assets (None: none),
+    and the model's config to check the shapes against (None: none given or beside the input)."""
 
     rules: RuleSet | None
     assets: HFAssets | None
+    model: ModelConfig | None = None
 
     @property
     def config(self) -> dict[str, object] | None:
@@ -65,8 +68,16 @@ def _read_rule_file(path: str) -> str:
         raise InputError(f"--adapter {path!r}: not a text file (UTF-8)") from None
 
 
-def load_adapter(comm: Comm, options: Options, owner: int = 0) -> Adapter:
-    """The assets and rules ``options`` name, read on ``owner`` and shared (an error is every rank's)."""
+def load_adapter(comm: Comm, options: Options, owner: int = 0, input_dir: str | None = None) -> Adapter:
+    """The assets and rules ``options`` name, read on ``owner`` and shared (an error is every rank's); with
+    ``input_dir``, also the model's config (``--hf-assets``', else one beside the input) for the shape check."""
+    adapter = _load_rules_and_assets(comm, options, owner)
+    if input_dir is None:
+        return adapter
+    return replace(adapter, model=load_model_config(comm, input_dir, adapter.assets))
+
+
+def _load_rules_and_assets(comm: Comm, options: Options, owner: int) -> Adapter:
     if options.adapter is None and options.hf_assets is None:
         return Adapter(None, None)
 

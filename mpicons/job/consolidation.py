@@ -13,6 +13,7 @@ from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on, wait_for_all
 from ..comm.interrupts import deferred, forget_pending, raise_pending, raising_inside
 from ..core.convert import prepare_conversion
+from ..core.completeness import rank_problem
 from ..core.engine import block_budget, check_saved_views
 from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
@@ -27,13 +28,14 @@ from ..core.upload_parts import MIN_PART, align_work
 from ..io.backends import open_output
 from ..io.formats import OutputFormat, output_format
 from ..io.inputs import InputStore
-from ..io.outdir import OutputDir
+from ..io.outdir import OutputDir, directory_identity, identities_up
 from ..io.outputs import OutputBackend
 from ..io.s3 import S3Location, is_s3
 from ..io.s3_output import IN_FLIGHT
 from ..io.sources import SourceFiles
 from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter
 from .exchange import ExchangeWriter
+from .model_check import ModelConfig, check_model_shapes
 from .progress import Progress
 from .replicas import check_replicas
 from .s3_publish import S3Publish, check_s3_options
@@ -87,32 +89,39 @@ def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict
     return parse_mapping(obj, path)
 
 
-def _directory_identity(path: str) -> tuple[int, int] | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_dev, st.st_ino
-
-
 def check_machine(comm: Comm, input_dir: str, output_dir: str, buffer_size: int) -> None:
-    """Before anything is created: the output is no rank's input directory, and the buffers fit in memory.
+    """Before anything is created: the output is no rank's input directory nor inside one, and the buffers
+    fit in memory.
 
-    Each rank compares the output directory as it sees it with the input directory of every rank
-    on the same host (``{rank}`` resolved), so no input file can be replaced on any rank.
+    Each rank compares the output directory and every directory above it, as it sees them, with the
+    input directory of every rank on the same host (``{rank}`` resolved), so no file can be written
+    among or below any rank's shards.
     """
-    seen = agree(comm, lambda: (host_name(), _directory_identity(rank_directory(input_dir, comm.rank))), gather=True)
+    seen = agree(comm, lambda: (host_name(), directory_identity(rank_directory(input_dir, comm.rank))), gather=True)
 
     def check() -> None:
         host = seen[comm.rank][0]
-        output = _directory_identity(output_dir)
-        for rank, (other_host, identity) in enumerate(seen):
-            if output is not None and other_host == host and identity == output:
-                whose = f" (rank {rank}'s {rank_directory(input_dir, rank)})" if "{rank}" in input_dir else ""
-                raise InputError(f"{output_dir}: output directory is the input directory{whose}")
+        here = {rank: identity for rank, (other, identity) in enumerate(seen) if other == host}
+        refuse_output_in_inputs(output_dir, input_dir, here)
         check_buffer_size(buffer_size, sum(1 for other_host, _ in seen if other_host == host))
 
     agree(comm, check)
+
+
+def refuse_output_in_inputs(output_dir: str, input_dir: str, inputs: dict[int, tuple[int, int] | None]) -> None:
+    """Bad input when ``output_dir`` (or a directory above it) is one of ``inputs``: rank → the identity of
+    its input directory, for the ranks on this host."""
+    for path, identity in identities_up(output_dir):
+        rank = next((r for r, other in inputs.items() if other == identity), None)
+        if rank is None:
+            continue
+        whose = f" (rank {rank}'s {rank_directory(input_dir, rank)})" if "{rank}" in input_dir else ""
+        if path == os.path.realpath(output_dir):
+            raise InputError(f"{output_dir}: output directory is the input directory{whose}")
+        raise InputError(
+            f"{output_dir}: output directory is inside the input directory {path}{whose}: mpicons never writes among "
+            f"or below the shards it reads; give a directory outside it (its parent, {os.path.dirname(path)}, may be the output)"
+        )
 
 
 def mapped_names(mapping: dict[str, str] | None) -> dict[str, str]:
@@ -159,12 +168,19 @@ def scan_inputs(
 ) -> Scanned:
     """The scan of ``input_dir`` (through ``store`` when it is open already) with the tensors ``options``
     select (include, exclude, strip_prefix), converted by the adapter's rules when there are any."""
-    scanned = select(
-        scan(input_dir, comm, endpoint=options.s3_endpoint, store=store), options.include, options.exclude, options.strip_prefix
-    )
+    scanned = scan(input_dir, comm, endpoint=options.s3_endpoint, store=store)
+    agree(comm, lambda: check_expected_ranks(scanned, options.expect_ranks))
+    scanned = select(scanned, options.include, options.exclude, options.strip_prefix)
     if adapter is not None and adapter.rules is not None:
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
     return scanned
+
+
+def check_expected_ranks(scanned: Scanned, expect: int | None) -> None:
+    """``--expect-ranks``: bad input unless the shard files come from exactly that many training ranks."""
+    problem = None if expect is None else rank_problem(scanned.files, expect, scanned.directory)
+    if problem is not None:
+        raise InputError(problem.message)
 
 
 def mapping_of(options: Options, mapping: dict[str, str] | None, scanned: Scanned, adapter: Adapter) -> dict[str, str] | None:
@@ -205,11 +221,18 @@ def layout_of(
 
 
 def plan_job(
-    comm: Comm, scanned: Scanned, options: Options, mapping: dict[str, str] | None, min_part: int = 0
+    comm: Comm,
+    scanned: Scanned,
+    options: Options,
+    mapping: dict[str, str] | None,
+    min_part: int = 0,
+    model: ModelConfig | None = None,
 ) -> tuple[Layout, Part]:
     """The layout (the same on every rank) and this rank's checked part of the pieces; ``min_part``
-    for an object-store output (see :func:`layout_of`)."""
+    for an object-store output (see :func:`layout_of`); ``model``: the model's config, whose shapes are
+    checked before the pieces move."""
     layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, gather_to=options.gather_to, min_part=min_part))
+    check_model_shapes(comm, layout, model)
     agree(comm, lambda: output_format(options.output_format).check(layout))
     part = distribute(comm, scanned, layout)
     # The node-local exchange's blocks (four output slots) are the smallest any writer uses.
@@ -232,7 +255,7 @@ def consolidate(
             gives each rank its own directory (node-local shards); the same path may also name a
             different node-local disk on each node: each file is read by ranks that see it.
         output_dir: where ``model-*.safetensors`` and ``model.safetensors.index.json`` go; created if
-            missing. It may be the input's parent, never an input directory.
+            missing. It may be the input's parent, never an input directory nor inside one.
         options: an :class:`~mpicons.core.options.Options`; keyword arguments (``split="files"``,
             ``buffer_size=...``, any field of it) change single fields.
         comm: the communicator (default ``MPI.COMM_WORLD``). Collective: every rank of it calls this
@@ -262,7 +285,7 @@ def consolidate(
             mapping = mapping_of(options, mapping, scanned, adapter)
             check_output_names(comm, owner, output_dir, mapped_names(mapping))
         with clock("plan"):
-            layout, part = plan_job(comm, scanned, options, mapping)
+            layout, part = plan_job(comm, scanned, options, mapping, model=adapter.model)
             check_output_names(comm, owner, output_dir, layout_names(layout, options))
         with clock("write"):
             check_replicas(comm, scanned, layout, part, options.buffer_size)
@@ -301,14 +324,14 @@ def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -
         with clock("scan"):
             publish.append(agree(comm, lambda: S3Publish(comm, url, options)))
             mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-            adapter = load_adapter(comm, options)
+            adapter = load_adapter(comm, options, input_dir=input_dir)
             check_buffer_fits(comm, options.buffer_size, (IN_FLIGHT + 1) * options.s3_part_size)
             store = open_store(comm, input_dir, options.s3_endpoint)  # an s3:// input's access checked first
             notes = publish[0].open()
             scanned = scan_inputs(input_dir, comm, options, adapter, store)
             mapping = mapping_of(options, mapping, scanned, adapter)
         with clock("plan"):
-            layout, part = plan_job(comm, scanned, options, mapping, min_part=MIN_PART)
+            layout, part = plan_job(comm, scanned, options, mapping, min_part=MIN_PART, model=adapter.model)
             assets = [] if adapter.assets is None else list(adapter.assets.files)
             publish[0].check_names([f.name for f in layout.files] + [INDEX_NAME] + assets)
         with clock("write"):
@@ -338,9 +361,18 @@ def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -
 
 
 def _refuse_the_input_as_output(input_dir: str, url: str) -> None:
-    """Bad input: an ``s3://`` output at the very location of the input (compared as parsed, so ``s3://b//p`` is ``s3://b/p``)."""
-    if is_s3(input_dir) and S3Location.parse(input_dir) == S3Location.parse(url):
+    """Bad input: an ``s3://`` output at the very location of the input, or below it (compared as parsed, so
+    ``s3://b//p`` is ``s3://b/p``), as for a directory (:func:`refuse_output_in_inputs`)."""
+    if not is_s3(input_dir):
+        return
+    source, target = S3Location.parse(input_dir), S3Location.parse(url)
+    if source == target:
         raise InputError(f"{url}: the output is the input; give another prefix for the consolidated checkpoint")
+    if source.bucket == target.bucket and (not source.prefix or target.prefix.startswith(source.prefix + "/")):
+        raise InputError(
+            f"{url}: the output is inside the input {source.url()}: mpicons never writes among or below the shards it "
+            "reads; give a prefix outside it (the input's parent may be the output)"
+        )
 
 
 def _scan_phase(
@@ -355,7 +387,7 @@ def _scan_phase(
         return held[0].notes
 
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-    adapter = load_adapter(comm, options)
+    adapter = load_adapter(comm, options, input_dir=input_dir)
     check_output_names(comm, owner, output_dir, mapped_names(mapping))
     check_machine(comm, input_dir, output_dir, options.buffer_size)
     store = open_store(comm, input_dir, options.s3_endpoint)  # an s3:// input's access checked before anything is made

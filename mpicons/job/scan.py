@@ -32,17 +32,18 @@ from ..core.format import DTYPES
 from ..core.headers import list_shards, read_headers, relabel
 from ..core.layout import Layout
 from ..core.machine import host_name
-from ..core.names import DATA_SUFFIX, METADATA_NAME, missing_shards
+from ..core.names import DATA_SUFFIX, METADATA_NAME, missing_shards, nested_hint
 from ..core.owners import RowOwners
 from ..core.part_builder import build_part, copied_file_problem
 from ..core.parts import Part
 from ..core.problems import Problems
 from ..core.reports import count_of
 from ..core.table import Pieces, ShardFiles, dense_strides, shard_files, to_storage_units
-from ..io.inputs import InputStore, PosixInputs, open_inputs
+from ..io.inputs import InputStore, PosixInputs, open_inputs, rank_directory
 from ..io.journal import describe_names
 from ..io.s3 import is_s3
 from ..io.sources import SourceFiles
+from .rank_directories import check_rank_directories
 
 #: Largest message per destination in one round of the piece exchange (MPI counts are C ints).
 EXCHANGE_LIMIT = 1 << 29
@@ -75,11 +76,6 @@ class Scanned:
         return self.files.holders is None
 
 
-def rank_directory(input_dir: str, rank: int) -> str:
-    """``input_dir`` with ``{rank}`` replaced: each rank's own directory of node-local shards."""
-    return input_dir.replace("{rank}", str(rank))
-
-
 def open_store(comm: Comm, input_dir: str, endpoint: str | None = None) -> InputStore:
     """This rank's store of ``input_dir``: its directory ({rank} resolved), or the ``s3://`` location.
 
@@ -110,9 +106,12 @@ def open_sources(scanned: Scanned) -> SourceFiles:
 
 
 def _inputs_of(
-    input_dir: str, names: list[str], sizes: list[int], holders: list[np.ndarray] | None
+    input_dir: str, names: list[str], sizes: list[int], holders: list[np.ndarray] | None, nested: Sequence[str] = ()
 ) -> tuple[list[str], list[int], list[np.ndarray] | None]:
-    """The files of the checkpoint: with ``.metadata``, it and the ``.distcp`` files; else the ``.safetensors`` files."""
+    """The files of the checkpoint: with ``.metadata``, it and the ``.distcp`` files; else the ``.safetensors`` files.
+
+    ``nested``: the subdirectories that hold input files, named in the message when the directory itself holds none.
+    """
     distcp = METADATA_NAME in names
     keep = [i for i, n in enumerate(names) if (n == METADATA_NAME or n.endswith(DATA_SUFFIX)) == distcp]
     safetensors = [n for n in names if n.endswith(".safetensors")]
@@ -129,8 +128,15 @@ def _inputs_of(
             raise InputError(
                 f"{input_dir}: holds .distcp data files but no {METADATA_NAME} (DCP writes it last: was the save interrupted?)"
             )
-        raise InputError(f"{input_dir}: no *.safetensors files found" + ("" if holders is None else " on any rank"))
+        where = "" if holders is None else " on any rank"
+        raise InputError(f"{input_dir}: no *.safetensors files found{where}{nested_hint(input_dir, nested)}")
     return [names[i] for i in keep], [sizes[i] for i in keep], None if holders is None else [holders[i] for i in keep]
+
+
+def _listing(store: InputStore) -> tuple[list[str], list[int], list[str]]:
+    """The store's input files and sizes, and when there are none, the subdirectories that hold some."""
+    names, sizes = store.list()
+    return names, sizes, [] if names else store.nested()
 
 
 def discover(input_dir: str, comm: Comm, store: InputStore | None = None) -> tuple[list[str], list[int], list[np.ndarray] | None]:
@@ -144,20 +150,23 @@ def discover(input_dir: str, comm: Comm, store: InputStore | None = None) -> tup
     store = store if store is not None else PosixInputs(rank_directory(input_dir, comm.rank))
     directory = store.location
     if store.shared:
-        names, sizes = agree_on(comm, 0, store.list)
-        return agree(comm, lambda: _inputs_of(directory, names, sizes, None))
+        names, sizes, nested = agree_on(comm, 0, lambda: _listing(store))
+        return agree(comm, lambda: _inputs_of(directory, names, sizes, None, nested))
     hosts = comm.allgather(host_name())
     per_rank = "{rank}" in input_dir
+    if per_rank:
+        check_rank_directories(comm, input_dir, hosts)
     leader = [r if per_rank else hosts.index(hosts[r]) for r in range(comm.size)]
-    listing = agree(comm, lambda: store.list() if leader[comm.rank] == comm.rank else None)
+    listing = agree(comm, lambda: _listing(store) if leader[comm.rank] == comm.rank else None)
     digest = None if listing is None else hashlib.sha256(json.dumps(listing).encode()).hexdigest()
     digests = comm.allgather(digest)
     if len({d for d in digests if d is not None}) == 1:
-        names, sizes = comm.bcast(listing, root=0)
-        return agree(comm, lambda: _inputs_of(directory, names, sizes, None))
+        names, sizes, nested = comm.bcast(listing, root=0)
+        return agree(comm, lambda: _inputs_of(directory, names, sizes, None, nested))
     listings = comm.allgather(listing)
-    merged = agree(comm, lambda: _holders(input_dir, [listings[leader[r]] for r in range(comm.size)]))
-    return agree(comm, lambda: _inputs_of(input_dir, *merged))
+    nested = sorted({name for found in listings if found is not None for name in found[2]})
+    files, sizes, holders = agree(comm, lambda: _holders(input_dir, [listings[leader[r]][:2] for r in range(comm.size)]))
+    return agree(comm, lambda: _inputs_of(input_dir, files, sizes, holders, nested))
 
 
 def _holders(input_dir: str, listings: list[tuple[list[str], list[int]]]) -> tuple[list[str], list[int], list[np.ndarray]]:
