@@ -82,7 +82,8 @@ def _shapes_and_dtypes(scanned: Scanned) -> tuple[list[tuple[int, ...]], list[st
     codes = (facts.dtype_first % FACT_KEY).astype(np.int64)
     full = facts.extent if facts.declared is None else facts.declared
     shapes = [tuple(int(x) for x in full[t][: ndim[t]]) for t in range(len(scanned.names))]
-    return shapes, [DTYPES[int(c)].name for c in codes]
+    # A tensor with no stored piece has no dtype (its key is the MIN's start): "" never equals a partner's.
+    return shapes, [DTYPES[int(c)].name if n else "" for c, n in zip(codes, facts.count)]
 
 
 def _count(comm: Comm, sub: Scanned, checks: Sequence[_Check], buffer_size: int) -> tuple[list[int], list[str], dict[str, str]]:
