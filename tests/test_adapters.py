@@ -429,6 +429,15 @@ def test_verify_compares_through_the_adapter(one_rank: Callable[[str, str], Run]
     out = one_rank(case, "native").out
     proc = run_cli(2, "verify", out, "--against", TITAN / case / "native", *adapter_args(case))
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
+    # Without the adapter: one line saying to give it, not a missing and an extra tensor per name.
+    proc = run_cli(2, "verify", out, "--against", TITAN / case / "native")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    problem, summary = proc.stdout.splitlines()
+    assert problem.startswith(f"{out}: ") and problem.endswith(
+        "the shards hold torchtitan's names and the output Hugging Face's. If it was written with --adapter torchtitan, "
+        "verify with --adapter torchtitan --hf-assets DIR, as it was written"
+    ), problem
+    assert summary.startswith("mpicons verify: 1 problem:"), summary
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)
     weights = json.loads((broken / INDEX).read_text())["weight_map"]

@@ -248,10 +248,55 @@ def test_no_credentials_at_all_is_bad_input(s3_endpoint: str, s3_env: dict[str, 
 def test_an_unreachable_endpoint_is_bad_input_promptly(s3_env: dict[str, str]) -> None:
     started = time.monotonic()
     with pytest.raises(
-        InputError, match=r"s3://some-bucket/ckpt/run1: cannot reach the S3 endpoint http://127.0.0.1:1: check --s3-endpoint"
+        InputError,
+        match=r"s3://some-bucket/ckpt/run1: cannot reach the S3 endpoint http://127.0.0.1:1 \(Connection refused; "
+        r"2 attempts in [0-9.]+ s\): check --s3-endpoint",
     ):
         _client("some-bucket", "http://127.0.0.1:1", connect_timeout=1, attempts=2).check_access(write=False)
     assert time.monotonic() - started < 10
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_with_the_default_retries_an_unreachable_endpoint_is_bad_input_within_seconds(s3_env: dict[str, str]) -> None:
+    """The access check gives up after a short probe, not after botocore's ten retries (about 20 s)."""
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    client = _client("some-bucket", endpoint)
+    assert client.attempts == 11  # the work keeps botocore's retries
+    started = time.monotonic()
+    with pytest.raises(InputError, match=re.escape(f"cannot reach the S3 endpoint {endpoint} (Connection refused; 2 attempts")):
+        client.check_access(write=True)
+    assert time.monotonic() - started < 5
+
+
+def test_retries_say_once_how_long_they_may_take(s3_env: dict[str, str], caplog: pytest.LogCaptureFixture) -> None:
+    endpoint = f"http://127.0.0.1:{_closed_port()}"
+    client = _client("some-bucket", endpoint, attempts=3)
+    caplog.set_level("INFO", logger="mpicons")
+    for _ in range(2):
+        with pytest.raises(WriteError, match=re.escape(f"failed after 3 attempts: cannot reach the S3 endpoint {endpoint}")):
+            client.list()
+    notes = [r.getMessage() for r in caplog.records if r.name == "mpicons"]
+    assert notes == [
+        f"s3://some-bucket/ckpt/run1: cannot connect to the S3 endpoint {endpoint} (Connection refused); "
+        "retrying up to 2 more times, for at most about 0.2 s, before giving up"
+    ]
+
+
+def test_the_longest_retries_follow_botocore_s_backoff() -> None:
+    from mpicons.io.s3_retries import retry_seconds
+
+    assert retry_seconds(11, throttling=False) == pytest.approx(0.05 * (2**9 - 1) + 20)  # 45.55 s
+    assert retry_seconds(3, throttling=True) == pytest.approx(1 + 2)
+    assert retry_seconds(2, throttling=False, per_attempt=10) == pytest.approx(0.05 + 20)
+    assert retry_seconds(1, throttling=True) == 0
 
 
 def test_a_malformed_endpoint_is_bad_input(s3_env: dict[str, str]) -> None:
@@ -278,8 +323,11 @@ def _logged(log: Path, op: str) -> list[str]:
     return [line for line in log.read_text().splitlines() if line.startswith(op + " ")]
 
 
-def test_throttling_answers_are_retried_to_success(s3_bucket: str, faults: tuple[s3server.FaultProxy, Path, Path]) -> None:
+def test_throttling_answers_are_retried_to_success(
+    s3_bucket: str, faults: tuple[s3server.FaultProxy, Path, Path], caplog: pytest.LogCaptureFixture
+) -> None:
     proxy, control, log = faults
+    caplog.set_level("INFO", logger="mpicons")
     data = _data(PART + 10, seed=2)
     s3 = _client(s3_bucket, proxy.url)
     upload = s3.create_upload("t.bin")
@@ -287,6 +335,10 @@ def test_throttling_answers_are_retried_to_success(s3_bucket: str, faults: tuple
     etags = [s3.upload_part("t.bin", upload, 1, data[:PART]), s3.upload_part("t.bin", upload, 2, data[PART:])]
     s3.complete_upload("t.bin", upload, etags)
     assert [line.split()[-1] for line in _logged(log, "UploadPart")] == ["503", "503", "200", "200"]
+    assert [r.getMessage() for r in caplog.records if r.name == "mpicons"] == [
+        f"s3://{s3_bucket}/ckpt/run1: the S3 endpoint {proxy.url} answered SlowDown (HTTP 503); "
+        "retrying up to 10 more times, for at most about 2 min, before giving up"
+    ]
     assert s3.read("t.bin", 0, len(data)) == data
 
 

@@ -14,6 +14,7 @@ import os
 import re
 import socket
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -255,10 +256,31 @@ def test_a_missing_bucket_is_bad_input(tmp_path: Path, s3_endpoint: str, s3_env:
         inspect("s3://no-such-bucket/p", s3_endpoint=s3_endpoint)
 
 
-def test_an_unreachable_endpoint_is_bad_input(tmp_path: Path, s3_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")  # botocore retries a refused connection ten times (about 20 s) by default
+def test_an_unreachable_endpoint_is_bad_input(tmp_path: Path, s3_env: dict[str, str]) -> None:
     with pytest.raises(InputError, match="cannot reach the S3 endpoint"):
         inspect("s3://ckpt/p", s3_endpoint=f"http://127.0.0.1:{unused_port()}")
+
+
+def test_an_unreachable_endpoint_ends_the_job_within_seconds_in_one_line(tmp_path: Path, s3_env: dict[str, str]) -> None:
+    """At 2 ranks, an s3:// input and an s3:// output alike: exit 2 with one line, no retries for a minute."""
+    endpoint = f"http://127.0.0.1:{unused_port()}"
+    write_sample(tmp_path / "sharded", SampleConfig(layers=1, hidden=16, intermediate=24, vocab=40, kv_dim=8), MPI.COMM_SELF)
+    for source, target, url in (
+        ("s3://ckpt/p", tmp_path / "out", "s3://ckpt/p"),
+        (tmp_path / "sharded", "s3://ckpt/out", "s3://ckpt/out"),
+    ):
+        started = time.monotonic()
+        proc, _ = cli(2, "consolidate", source, target, "--s3-endpoint", endpoint, timeout=60)
+        took = time.monotonic() - started
+        assert proc.returncode == 2, proc.stderr
+        [line] = proc.stderr.splitlines()
+        assert line.startswith(
+            f"mpicons: error: [rank 0] {url}: cannot reach the S3 endpoint {endpoint} (Connection refused; 2 attempts in "
+        ), line
+        hint = "check --s3-endpoint / AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) and that the store is up and reachable"
+        assert line.endswith(f"s): {hint}"), line
+        assert took < 15, took  # MPI's start and the imports included; botocore's retries took 10-25 s
+    assert not (tmp_path / "out").exists()
 
 
 def test_wrong_credentials_are_bad_input_and_exit_2(

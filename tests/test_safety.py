@@ -571,12 +571,39 @@ def test_verify_on_a_sharded_directory_says_what_to_do(tmp_path):
     )
 
 
-@pytest.mark.slow
+def test_verify_on_a_distcp_directory_says_what_to_do():
+    """DCP's default format (``.metadata`` and ``.distcp`` files) is a sharded checkpoint too."""
+    shards = DISTCP_FIXTURES / "fsdp-3ranks" / "dcp"
+    proc, _ = cli(2, "verify", shards)
+    assert proc.returncode == 1
+    problem, summary = proc.stdout.splitlines()
+    assert problem == (
+        f"{shards}: holds DCP's .metadata and 3 .distcp files (DCP's default format), not a consolidated checkpoint; "
+        f"to check a consolidation of it: mpicons verify OUTPUT_DIR --against {shards}"
+    )
+    assert summary.startswith("mpicons verify: 1 problem:")
+
+
+def test_verify_of_an_s3_location_says_it_cannot_be_verified_yet():
+    proc, _ = cli(2, "verify", "s3://models/llama/hf")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "mpicons: error: [rank 0] s3://models/llama/hf: verify checks a local directory; a checkpoint in object storage "
+        "cannot be verified yet. Verify a local copy of it, or a local output against shards there: mpicons verify "
+        "OUTPUT_DIR --against s3://models/llama/hf"
+    ]
+    assert "does not exist" not in proc.stderr
+
+
 def test_verify_hints_at_dtype_for_a_converted_output(tmp_path):
+    """One line saying which --dtype to give, not one per converted tensor."""
     out = tmp_path / "out"
     assert cli(2, "consolidate", INPUT, out, "--dtype", "fp32", "-q")[0].returncode == 0
     proc, _ = cli(2, "verify", out, "--against", INPUT)
     assert proc.returncode == 1
-    assert "verify with --dtype fp32" in proc.stdout
+    problem, summary = proc.stdout.splitlines()
+    assert problem.startswith(f"{out}: the output's floating-point tensors (")
+    assert problem.endswith("if it was written with --dtype fp32, verify with --dtype fp32"), problem
+    assert summary.startswith("mpicons verify: 1 problem:"), summary
     proc, _ = cli(2, "verify", out, "--against", INPUT, "--dtype", "fp32")
     assert proc.returncode == 0, proc.stdout

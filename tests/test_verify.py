@@ -242,6 +242,21 @@ def _write_stray(out: Path) -> None:
     (out / "extra.safetensors").write_bytes(reference_bytes({"ghost.weight": ("U8", [3], b"abc")}))
 
 
+def _lock(out: Path, pid: int | None = None) -> None:
+    """A lock as a run of this host writes it: this process's (a run going on), or ``pid``'s."""
+    import dataclasses
+    import subprocess
+    import sys
+
+    from mpicons.io.lock import LOCK_NAME, Holder
+
+    holder = Holder.me()
+    if pid is None:  # a process of this host that has ended
+        ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+        holder = dataclasses.replace(holder, pid=int(ended.stdout))
+    (out / LOCK_NAME).write_bytes(holder.to_bytes())
+
+
 #: name → (damage, [(file or None, tensor, text, kind)] that must be reported, and nothing else without --against)
 BREAKAGES: dict[str, tuple[Callable[[Path], None], list[tuple[str | None, object, str, str]]]] = {
     "truncated": (lambda o: os.truncate(o / FILE2, (o / FILE2).stat().st_size - 10), [(FILE2, ANY, "truncated?", "header")]),
@@ -281,6 +296,14 @@ BREAKAGES: dict[str, tuple[Callable[[Path], None], list[tuple[str | None, object
         [(FILE2, None, "listed in the index for 13 tensors but missing", "missing file")],
     ),
     "stray-file": (_write_stray, [("extra.safetensors", None, "not listed in the index (stray file)", "extra file")]),
+    "lock-of-a-live-run": (
+        lambda o: _lock(o, os.getpid()),
+        [(".mpicons.lock", None, "a consolidation holds this directory (pid", "locked")],
+    ),
+    "lock-of-a-dead-run": (
+        _lock,
+        [(".mpicons.lock", None, "left by a consolidation that is no longer running (pid", "leftover")],
+    ),
     "staging-left": (
         lambda o: (o / ".mpicons-staging-x1y2z3").mkdir(),
         [(".mpicons-staging-x1y2z3", None, "left by an interrupted consolidation", "leftover")],
@@ -392,11 +415,12 @@ def test_verify_against_shards_of_a_converted_output(option, mpi_tmp_path):
         path.write_bytes(bytes(data))
     comm.Barrier()
     broken = verify(out, against=FIXTURES / "edge-3ranks" / "sharded", comm=comm, dtype=option)
-    results = comm.allgather((clean.ok, plain.ok, len(broken.problems), [p.what for p in broken.problems]))
+    plain_kinds = [p.kind for p in plain.problems]
+    results = comm.allgather((clean.ok, plain_kinds, len(broken.problems), [p.what for p in broken.problems]))
     assert all(r == results[0] for r in results)
-    clean_ok, plain_ok, broken_count, broken_what = results[0]
+    clean_ok, plain_kinds, broken_count, broken_what = results[0]
     assert clean_ok
-    assert not plain_ok  # without --dtype the dtypes differ from the shards'
+    assert plain_kinds == ["dtype option"]  # without --dtype: one hint, not a mismatch per converted tensor
     assert broken_count == 1 and "differs from the shards" in broken_what[0]
 
 
@@ -582,7 +606,8 @@ def test_hdf5_output_with_dtype_and_a_broken_file(mpi_tmp_path):
     out = mpi_tmp_path / "h5"
     mpicons.consolidate(EDGE, out, comm=comm, output_format="hdf5", dtype="fp32")
     assert _verify(comm, out, against=EDGE, dtype="fp32").ok
-    assert _has(_verify(comm, out, against=EDGE), "model.h5", ANY, "but the shards hold")
+    without = _verify(comm, out, against=EDGE)  # the converted tensors: one hint, not a mismatch each
+    assert [p.kind for p in without.problems] == ["dtype option"] and "verify with --dtype fp32" in without.problems[0].what
     _mutate(comm, lambda: (out / "model.h5").write_bytes(b"not HDF5 at all"))
     report = _verify(comm, out, against=EDGE)
     assert _has(report, "model.h5", None, "is not an HDF5 file h5py can read", "hdf5"), report.lines()

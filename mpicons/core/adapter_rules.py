@@ -34,8 +34,11 @@ TRANSFORMS: dict[str, tuple[str, ...]] = {
     "rope_to_half": ("heads", "head_dim"),  # rows of each head from interleaved rotary pairs to half-split order
     "rope_to_interleaved": ("heads", "head_dim"),  # the inverse: half-split rows to interleaved pairs
     "split_rows": ("groups", "sizes"),  # a fused tensor cut along dim 0 into parts, group by group
-    "drop": (),  # a model entry the conversion leaves out on purpose (reported)
+    "drop": ("same_as",),  # a model entry the conversion leaves out on purpose (reported); same_as optional
 }
+#: Arguments that name a saved tensor (a dotted name, not an expression) and may be left out:
+#: ``drop(same_as=tok_embeddings.weight)`` says the entry repeats that tensor (a tied ``lm_head``).
+NAME_ARGS = {("drop", "same_as")}
 #: The names of the built-in adapters and the rule files of each, by the config's ``model_type``.
 BUILTIN = {"torchtitan": ("torchtitan-llama.rules", "torchtitan-qwen3.rules", "torchtitan-deepseek-v3.rules")}
 
@@ -60,6 +63,11 @@ class Transform:
     def value(self, name: str, config: Mapping[str, object], where: str) -> int | tuple[int, ...]:
         """An argument evaluated against the config (a tuple for ``sizes``)."""
         return evaluate(self.args[name], config, where)
+
+    def name_arg(self, name: str) -> str | None:
+        """An argument that names a saved tensor (:data:`NAME_ARGS`), None when not given."""
+        node = self.args.get(name)
+        return None if node is None else ast.unparse(node)
 
 
 @dataclass(frozen=True)
@@ -192,6 +200,13 @@ def _plain(node: ast.AST) -> bool:
     return True
 
 
+def _dotted(node: ast.AST) -> bool:
+    """A plain dotted name (``tok_embeddings.weight``): names joined by dots, nothing else."""
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name)
+
+
 def _names_config(node: ast.AST) -> bool:
     """Whether an expression reads a config field (a name), rather than numbers only."""
     return any(isinstance(n, (ast.Name, ast.Attribute)) for n in ast.walk(node))
@@ -248,10 +263,17 @@ def _transform(text: str | None, where: str) -> Transform:
         if keyword.arg not in params or keyword.arg in args:
             raise InputError(f"{where}: {kind}: unexpected or repeated argument {keyword.arg!r} (takes {', '.join(params)})")
         args[keyword.arg] = keyword.value
-    missing = [p for p in params if p not in args]
+    missing = [p for p in params if p not in args and (kind, p) not in NAME_ARGS]
     if missing:
         raise InputError(f"{where}: {kind} needs {', '.join(missing)}")
     for name, node in args.items():
+        if (kind, name) in NAME_ARGS:
+            if not _dotted(node):
+                raise InputError(
+                    f"{where}: {kind}({name}={ast.unparse(node)}): {name} is the saved tensor's dotted name, "
+                    "as in drop(same_as=tok_embeddings.weight)"
+                )
+            continue
         if kind == "unbind":
             if not isinstance(node, ast.Name):
                 raise InputError(f"{where}: unbind's argument is the target's capture name, as in unbind(E)")
@@ -336,7 +358,9 @@ def parse_rules(text: str, origin: str) -> RuleSet:
         source, target = found.group("source"), found.group("target")
         pattern = _pattern(source, where)
         transform = _transform(found.group("transform"), where)
-        if transform.kind != "unbind" and any(_names_config(node) for node in transform.args.values()):
+        if transform.kind != "unbind" and any(
+            _names_config(node) for arg, node in transform.args.items() if (transform.kind, arg) not in NAME_ARGS
+        ):
             reads_config = True
         rule = Rule(number, source, None if target == "-" else target, transform, pattern, condition, negated)
         _check_target(rule, set(pattern.groupindex), where)
@@ -410,6 +434,7 @@ def target_names(rule: Rule, captures: Mapping[str, str], config: Mapping[str, o
 
 __all__ = [
     "TRANSFORMS",
+    "NAME_ARGS",
     "BUILTIN",
     "Transform",
     "Rule",

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .adapter_hints import mostly_written_by
 from .adapter_rules import Rule, RuleSet, target_names
 from .errors import InputError
 from .reports import count_of
@@ -66,6 +67,10 @@ class Dropped:
     rule: str
     skipped: bool = False  # a ``skip`` pattern (not model state) rather than a ``drop``
     pattern: str = ""
+    #: ``drop(same_as=NAME)``: the saved tensor it repeats (a tied ``lm_head``: the embeddings).
+    same_as: str | None = None
+    #: The rule's condition as it held (``tie_word_embeddings is true``), "" without one.
+    because: str = ""
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,8 @@ class Conversion:
     dropped: tuple[Dropped, ...] = ()
     #: The group parameters of each split_rows/rope source: (groups, sizes) or (heads, a, b).
     params: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    #: Dropped entries found to hold what the model loses (their values read): name → the warning.
+    warnings: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -98,13 +105,14 @@ class Conversion:
         return counts
 
     def summary(self) -> list[str]:
-        """Lines for the run's report: what was skipped (per pattern) and every entry dropped."""
+        """Lines for the run's report: what was skipped (per pattern) and every entry dropped on purpose
+        (not those in :attr:`warnings`, which hold what the model loses)."""
         lines = [
             f"skipped {count_of(n, 'saved tensor')} matching {pattern} (not model state)"
             for pattern, n in self.skipped_counts().items()
         ]
         for d in self.dropped:
-            if not d.skipped:
+            if not d.skipped and d.name not in self.warnings:
                 hf = f" (Hugging Face {d.hf_name})" if d.hf_name else ""
                 lines.append(f"dropped {d.name}{hf}: rule {d.rule}")
         return lines
@@ -113,6 +121,12 @@ class Conversion:
 def _unknown_message(unknown: Sequence[str], rules: RuleSet) -> str:
     shown = ", ".join(repr(n) for n in unknown[:5]) + (f" and {len(unknown) - 5} more" if len(unknown) > 5 else "")
     first = unknown[0]
+    if mostly_written_by(rules, unknown):
+        return (
+            f"adapter {rules.origin}: no rule reads {count_of(len(unknown), 'saved tensor')} ({shown}), and they are the "
+            "names these rules write: the checkpoint is in Hugging Face's names already. Drop --adapter "
+            "(keep --hf-assets to publish the model's files with it)"
+        )
     return (
         f"adapter {rules.origin}: no rule for {count_of(len(unknown), 'saved tensor')}: {shown}. Leave it out "
         f"deliberately with --exclude {first!r} (a glob: --exclude '{first.rsplit('.', 1)[0]}.*'), or add a rule for it"
@@ -146,7 +160,9 @@ def plan_conversion(
             continue
         hf = None if rule.target is None else target_names(rule, captures, config, where)
         if rule.transform.kind == "drop":
-            dropped.append(Dropped(name, hf[0] if hf else None, where))
+            because = f"config.json's {rule.condition} is {'false' if rule.negated else 'true'}" if rule.condition else ""
+            same_as = rule.transform.name_arg("same_as")
+            dropped.append(Dropped(name, hf[0] if hf else None, where, same_as=same_as, because=because))
             continue
         assert hf is not None
         outputs += _outputs(t, name, tuple(storage[t]), sub_byte[t], rule, hf, config, where, params)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .adapter_hints import adapter_between
 from .convert import TARGETS
 from .format import DTYPE_BY_NAME, HeaderError
 from .layout import Layout
@@ -294,10 +295,34 @@ def against_checks(
     for tensor, where in located.items():
         if tensor not in names:
             problems.append(file_problem(join(where.file), tensor, f"not in the shards in {against}", kind="extra tensor"))
+    return comparable, _options_hints(plan, output_dir, located, problems)
+
+
+def _options_hints(plan: Layout, output_dir: str, located: dict[str, Located], problems: list[Problem]) -> list[Problem]:
+    """An output written with ``--dtype`` or ``--adapter`` and checked without it: one problem saying which
+    option to give, in place of a problem per tensor."""
     hint = _dtype_hint(plan, located)
     if hint:
+        converted = {info.name for info in plan.tensors if _converted_float(info.dtype, info.shape, located.get(info.name))}
+        problems = [p for p in problems if not (p.kind == "mismatch" and p.tensor in converted)]
         problems.append(file_problem(output_dir, None, hint, kind="dtype option"))
-    return comparable, problems
+    missing = [p.tensor for p in problems if p.kind == "missing tensor" and p.tensor]
+    extra = [p.tensor for p in problems if p.kind == "extra tensor" and p.tensor]
+    adapter = adapter_between(missing, extra) if missing and extra else None
+    if adapter is not None:
+        problems = [p for p in problems if p.kind not in ("missing tensor", "extra tensor")]
+        what = (
+            f"{_count(len(missing), 'tensor')} of the shards are in no output file and {_count(len(extra), 'output tensor')} "
+            f"are not in the shards: the shards hold {adapter}'s names and the output Hugging Face's. If it was written "
+            f"with --adapter {adapter}, verify with --adapter {adapter} --hf-assets DIR, as it was written"
+        )
+        problems.append(file_problem(output_dir, None, what, kind="adapter option"))
+    return problems
+
+
+def _converted_float(dtype: str, shape: tuple[int, ...], found: Located | None) -> bool:
+    """Whether an output tensor is a shard tensor of the same shape, turned from one float dtype into another."""
+    return found is not None and found.shape == shape and found.dtype != dtype and DTYPE_BY_NAME[dtype].is_float
 
 
 def _dtype_hint(plan: Layout, located: dict[str, Located]) -> str | None:
@@ -306,10 +331,7 @@ def _dtype_hint(plan: Layout, located: dict[str, Located]) -> str | None:
     changed = {
         (info.dtype, located[info.name].dtype)
         for info in plan.tensors
-        if info.name in located
-        and located[info.name].shape == info.shape
-        and located[info.name].dtype != info.dtype
-        and DTYPE_BY_NAME[info.dtype].is_float
+        if _converted_float(info.dtype, info.shape, located.get(info.name))
     }
     written = {after for _, after in changed}
     if len(written) != 1 or next(iter(written)) not in targets:
@@ -318,9 +340,10 @@ def _dtype_hint(plan: Layout, located: dict[str, Located]) -> str | None:
     was = "/".join(sorted(before for before, _ in changed))
     if plan.tensors and any(t.source_dtype != t.dtype for t in plan.tensors):
         return None  # verify was given --dtype already
+    count = sum(1 for info in plan.tensors if _converted_float(info.dtype, info.shape, located.get(info.name)))
     return (
-        f"the output's floating-point tensors are {dtype} where the shards hold {was}: if it was written "
-        f"with --dtype {targets[dtype]}, verify with --dtype {targets[dtype]}"
+        f"the output's floating-point tensors ({count} of them) are {dtype} where the shards hold {was}: if it was "
+        f"written with --dtype {targets[dtype]}, verify with --dtype {targets[dtype]}"
     )
 
 

@@ -8,6 +8,8 @@ PREFIX = "mpicons: "
 ERROR = PREFIX + "error: "
 #: Something the library found and dealt with (an interrupted run recovered), on rank 0's standard error.
 NOTE = PREFIX + "note: "
+#: A run that succeeded but lost something the user may want (a dropped entry that was not empty).
+WARNING = PREFIX + "warning: "
 #: A progress line (a Slurm job log, or any standard error that is no watched terminal).
 PROGRESS = PREFIX + "progress "
 #: The demo's own lines around the consolidation it runs.
@@ -19,4 +21,4 @@ def internal_error(rank: int) -> str:
     return f"{PREFIX}internal error on rank {rank}"
 
 
-__all__ = ["PREFIX", "ERROR", "NOTE", "PROGRESS", "DEMO", "internal_error"]
+__all__ = ["PREFIX", "ERROR", "NOTE", "WARNING", "PROGRESS", "DEMO", "internal_error"]

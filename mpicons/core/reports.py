@@ -47,6 +47,7 @@ KINDS: dict[str, str] = {
     "mismatch": "a tensor whose dtype or shape differs from the shards'",
     "values": "a tensor whose bytes differ from the shards'",
     "dtype option": "the output's floats were converted: verify with the --dtype it was written with",
+    "adapter option": "the output has an adapter's names, the shards a trainer's: verify with the --adapter it was written with",
 }
 
 

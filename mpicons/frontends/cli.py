@@ -567,7 +567,9 @@ def closing_report(result: ConsolidateResult, verbose: bool, width: int) -> list
 
 
 def _adapter_lines(result: ConsolidateResult, verbose: bool, width: int) -> list[str]:
-    """The adapter's report: skipped groups one line each; dropped entries listed (all with -v)."""
+    """The adapter's report: skipped groups one line each; dropped entries listed (all with -v); a warning
+    per dropped entry that held what the model loses (all with -v); without an adapter, the one the
+    names seem to need."""
     from ..core.reports import count_of, fit_items
 
     skipped = [line for line in result.adapted if line.startswith("skipped ")]
@@ -584,13 +586,19 @@ def _adapter_lines(result: ConsolidateResult, verbose: bool, width: int) -> list
         )
     if result.assets:
         lines += fit_items(f"{messages.PREFIX}published with the weights: ", list(result.assets), width)
-    return lines
+    warnings = result.warnings if verbose or len(result.warnings) <= 4 else result.warnings[:3]
+    lines += [messages.WARNING + line for line in warnings]
+    if len(warnings) < len(result.warnings):
+        more = count_of(len(result.warnings) - len(warnings), "more dropped entry", "more dropped entries")
+        lines.append(f"{messages.WARNING}... and {more} that are not what they should be (-v lists all)")
+    return lines + [messages.NOTE + line for line in result.advice]
 
 
 def _stats_report(result: ConsolidateResult) -> dict[str, object]:
     report = result.stats.to_dict()
     report.update(files=result.files, moved_bytes=result.moved_bytes, shared_input=result.shared_input, notes=result.notes)
     report.update(adapter=result.adapted, assets=result.assets, skipped=result.skipped)
+    report.update(warnings=result.warnings, advice=result.advice)
     return report
 
 

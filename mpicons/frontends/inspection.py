@@ -20,6 +20,7 @@ import numpy as np
 
 from ..comm import as_communicator
 from ..comm.agreement import agree, agree_arguments, agree_on
+from ..core.adapter_hints import trainer_names_note
 from ..core.adapting import Conversion
 from ..core.completeness import UNCHECKED_HINT, caveat, rank_problem
 from ..core.errors import InputError
@@ -326,6 +327,8 @@ def inspect(
     if scanned.conversion is not None:
         report.adapter = scanned.conversion.rules
         report.mapping_rows = mapping_infos(saved_names, scanned.conversion)
+    elif options.adapter is None:
+        report.notes += [note for note in [trainer_names_note(scanned.names)] if note]
     report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))
     if report.caveat is not None and options.expect_ranks is None and verdict.checked(scanned.names) is None:
         report.notes.append(UNCHECKED_HINT)

@@ -20,7 +20,7 @@ from ..core.checkpoint_checks import FileResult, Listing, file_problem, header_p
 from ..core.errors import InputError, WriteError
 from ..core.format import DTYPE_BY_NAME, PREFIX_SIZE, BadPrefix, Header, HeaderError, header_length, nbytes_of, parse_header
 from ..core.layout import OUTPUT_METADATA
-from ..core.names import DCP_SHARD_NAME, INDEX_NAME, SINGLE_FILE_NAME
+from ..core.names import DATA_SUFFIX, DCP_SHARD_NAME, INDEX_NAME, METADATA_NAME, SINGLE_FILE_NAME
 from ..core.reports import Problem
 from ..core.reports import count_of as _count
 from ..io import regular_files
@@ -28,6 +28,7 @@ from ..io.hdf5 import HDF5_NAME, dataset_path, storage_dtype
 from ..io.journal import STAGING_PREFIX
 from ..io.lock import LOCK_NAME, read_lock
 from ..io.regular_files import read_at, read_bounded
+from ..io.s3 import is_s3
 from ..io.sources import SourceFiles
 
 #: An index larger than this is refused unread (one for a million tensors is far smaller).
@@ -210,12 +211,24 @@ def _lock_problem(output_dir: str) -> tuple[Problem | None, bool]:
             "(or let the next consolidate take it over with --break-lock)"
         )
         return file_problem(lock, None, what, kind="lock"), True
+    if seen.holder.provably_gone():
+        what = (
+            f"left by a consolidation that is no longer running ({seen.holder.describe()}; that process is gone): "
+            "nothing is changing the directory, but that run did not finish; the next 'mpicons consolidate' into it "
+            "clears the lock and finishes or undoes what the run left"
+        )
+        return file_problem(lock, None, what, kind="leftover"), False
     what = f"a consolidation holds this directory ({seen.holder.describe()}): its content may be changing"
     return file_problem(lock, None, what, kind="locked"), False
 
 
 def list_output(output_dir: str, follow_links: bool) -> Listing:
     """Rank 0: the directory's safetensors and partial files, and the index, parsed leniently."""
+    if is_s3(output_dir):
+        raise InputError(
+            f"{output_dir}: verify checks a local directory; a checkpoint in object storage cannot be verified yet. "
+            f"Verify a local copy of it, or a local output against shards there: mpicons verify OUTPUT_DIR --against {output_dir}"
+        )
     if not os.path.isdir(output_dir):
         raise InputError(f"{output_dir}: output directory does not exist or is not a directory")
     try:
@@ -226,11 +239,11 @@ def list_output(output_dir: str, follow_links: bool) -> Listing:
     found = candidates.regular
     leftovers = [n for n in names if n.startswith(STAGING_PREFIX)]
     index_path = os.path.join(output_dir, INDEX_NAME)
-    shards = [n for n in found if DCP_SHARD_NAME.match(n)]
-    if shards and not os.path.lexists(index_path):
+    sharded = _sharded_what(names, found) if not os.path.lexists(index_path) else None
+    if sharded is not None:
         what = (
-            f"holds {_count(len(shards), 'DCP shard file')} (shard-*-model-*.safetensors), not a consolidated "
-            f"checkpoint; to check a consolidation of it: mpicons verify OUTPUT_DIR --against {output_dir}"
+            f"{sharded}, not a consolidated checkpoint; to check a consolidation of it: "
+            f"mpicons verify OUTPUT_DIR --against {output_dir}"
         )
         return Listing([], [], None, None, [], [], [file_problem(output_dir, None, what, kind="sharded")], sharded=True)
     problems, refused = list(candidates.problems), list(candidates.refused)
@@ -257,6 +270,18 @@ def list_output(output_dir: str, follow_links: bool) -> Listing:
     problems += [p for p in listed.problems if p.path not in {q.path for q in candidates.problems}]
     refused = sorted(set(refused) | set(listed.refused))
     return Listing(found, leftovers, weight_map, total_size, listed.regular, listed.missing, problems, refused=refused)
+
+
+def _sharded_what(names: Sequence[str], found: Sequence[str]) -> str | None:
+    """What makes a directory without an index a sharded checkpoint (DCP's shard files, or DCP's
+    ``.metadata``), or None."""
+    shards = [n for n in found if DCP_SHARD_NAME.match(n)]
+    if shards:
+        return f"holds {_count(len(shards), 'DCP shard file')} (shard-*-model-*.safetensors)"
+    if METADATA_NAME in names:
+        data = sum(1 for n in names if n.endswith(DATA_SUFFIX))
+        return f"holds DCP's {METADATA_NAME} and {_count(data, DATA_SUFFIX + ' file')} (DCP's default format)"
+    return None
 
 
 _NOT_HDF5 = "beside model.h5 (an HDF5 output) and not part of it (stray file)"

@@ -20,20 +20,9 @@ import numpy as np
 
 from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on
-from ..comm.interrupts import deferred
 from ..core.checkpoint_checks import Diff, FileResult, Listing, Located, VerifyReport, against_checks, cross_check, diff_problems
 from ..core.completeness import caveat, rank_problem
-from ..core.engine import (
-    Assembler,
-    Block,
-    Segment,
-    block_budget,
-    blocks,
-    check_saved_views,
-    segment_bytes,
-    segment_offset,
-)
-from ..core.errors import MpiconsError
+from ..core.engine import Block, Segment, block_budget, check_saved_views, segment_bytes, segment_offset
 from ..core.layout import Layout
 from ..core.options import Options
 from ..core.parts import Part
@@ -44,7 +33,7 @@ from ..io.s3 import is_s3
 from ..io.sources import SourceFiles
 from ..job.adaptation import convert_scanned, load_adapter
 from ..job.consolidation import check_buffer_fits
-from ..job.exchange import ExchangeWriter
+from ..job.exchange import feed_blocks
 from ..job.model_check import judge, layout_tensors
 from ..job.scan import Scanned, distribute, open_sources, scan, select
 from .output_reading import MAX_INDEX_SIZE, OutputFiles, check_file, list_output, open_regular
@@ -133,37 +122,7 @@ def _compare_share(
     sources, outputs = open_sources(scanned), OutputFiles(output_dir, out_names, follow_links)
     checker = _Checker(layout, located, outputs, {name: i for i, name in enumerate(out_names)})
     try:
-        if scanned.shared:
-            block_bytes = block_budget(buffer_size, 2)
-            assembler = Assembler(layout, part, block_bytes, sources.read_into)
-            buffer = np.empty(block_bytes, dtype=np.uint8)
-            segments = [Segment(i.tensor, i.row_begin, i.row_end) for i in part.items]
-            for whole in blocks(layout, segments, block_bytes):
-                for block, runs in assembler.split(whole):
-                    if len(buffer) < block.size:
-                        buffer = np.empty(block.size, dtype=np.uint8)
-                    try:
-                        checker(block, assembler.assemble(block, buffer, runs))
-                    except (MpiconsError, OSError) as exc:
-                        checker.fail(block, exc)
-        else:
-            with deferred():  # a message pattern every rank must complete (the exchange polls for signals itself)
-                channel = comm.duplicate()
-                try:
-                    ExchangeWriter(
-                        layout,
-                        part,
-                        scanned.files,
-                        sources,
-                        None,
-                        buffer_size,
-                        channel,
-                        sink=checker,
-                        copies=False,
-                        delegate=False,
-                    ).run()
-                finally:
-                    channel.free()
+        feed_blocks(comm, scanned, layout, part, sources, buffer_size, checker, on_error=checker.fail)
     finally:
         sources.close()
         outputs.close()

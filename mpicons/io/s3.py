@@ -4,7 +4,8 @@ The shard scan reads through :meth:`S3Client.read_into` (ranged GETs) and the ou
 through the multipart calls; both meet S3 only here. boto3 is an optional extra (``mpicons[s3]``)
 and is imported only when an ``s3://`` location is used (inside :class:`S3Client`), so a filesystem
 run never pays for it. Retries and backoff are botocore's (adaptive mode: throttling answers slow the
-client down); a failure that outlasts them becomes a :class:`WriteError` naming the ``s3://`` URL,
+client down; the first retry says how long they may last, :mod:`.s3_retries`); a failure that
+outlasts them becomes a :class:`WriteError` naming the ``s3://`` URL,
 the operation and the S3 error code, and a setup failure found by :meth:`S3Client.check_access`
 (credentials, bucket, endpoint) an :class:`InputError` saying what to fix. No message ever holds a
 secret: S3 error texts never echo the secret key, and the access key id is the most that is named.
@@ -24,6 +25,17 @@ from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from ..core.errors import InputError, MpiconsError, WriteError
+from ..core.reports import count_of
+from .s3_retries import (
+    DEFAULT_ATTEMPTS,
+    PROBE_ATTEMPTS,
+    PROBE_CONNECT_TIMEOUT,
+    PROBE_READ_TIMEOUT,
+    THROTTLING_CODES,
+    RetryNote,
+    connect_reason,
+    total_attempts,
+)  # fmt: skip
 
 S3_SCHEME = "s3://"
 #: Bucket names as S3 allows them for new buckets: 3-63 of a-z 0-9 . -, a letter or digit at each end.
@@ -196,7 +208,9 @@ class S3Client:
         if attempts is not None:
             retries["total_max_attempts"] = max(1, attempts)
         elif not os.environ.get("AWS_MAX_ATTEMPTS"):
-            retries["max_attempts"] = 10
+            retries["max_attempts"] = DEFAULT_ATTEMPTS - 1
+        self.attempts = total_attempts(attempts)
+        self.connect_timeout = connect_timeout
         # A store other than AWS (MinIO, Ceph RGW, a gateway) is addressed by path: virtual-hosted
         # names need wildcard DNS such stores rarely have. Checksums only where the API requires
         # them (the AWS_* variables still choose): many such stores reject the newer checksum headers.
@@ -212,13 +226,20 @@ class S3Client:
         for option in ("request_checksum_calculation", "response_checksum_validation"):
             if option in botocore_config.Config.OPTION_DEFAULTS:  # botocore >= 1.36
                 settings[option] = os.environ.get(f"AWS_{option.upper()}", "when_required")
-        config = botocore_config.Config(**settings)
+        self._make = lambda **changes: self._new_client(botocore_config.Config(**{**settings, **changes}), endpoint)
+        self._client = self._make()
+        self.retry_note = RetryNote(location.url(), self.endpoint, self.attempts, connect_timeout, self._errors)
+        self._client.meta.events.register_first("needs-retry.s3", self.retry_note)
+
+    def _new_client(self, config: Any, endpoint: str | None) -> Any:
         try:
-            self._client = session.client("s3", endpoint_url=endpoint or None, config=config)
+            return self._session.client("s3", endpoint_url=endpoint or None, config=config)
         except ValueError as exc:  # a malformed endpoint URL
-            raise InputError(f"{location.url()}: bad S3 endpoint {endpoint!r} ({_short(str(exc))}); {_ENDPOINT_HINT}") from exc
+            raise InputError(
+                f"{self.location.url()}: bad S3 endpoint {endpoint!r} ({_short(str(exc))}); {_ENDPOINT_HINT}"
+            ) from exc
         except self._errors.BotoCoreError as exc:
-            raise InputError(f"{location.url()}: cannot set up the S3 client ({_short(str(exc))})") from exc
+            raise InputError(f"{self.location.url()}: cannot set up the S3 client ({_short(str(exc))})") from exc
 
     @property
     def endpoint(self) -> str:
@@ -254,7 +275,10 @@ class S3Client:
                 detail += f", HTTP {status}"
             raise kind(f"{url}: {what} failed ({detail})") from exc
         if self._is_connect_error(exc):
-            raise kind(f"{url}: {what} failed: cannot reach the S3 endpoint {self.endpoint}; {_ENDPOINT_HINT}") from exc
+            raise kind(
+                f"{url}: {what} failed after {count_of(self.attempts, 'attempt')}: cannot reach the S3 endpoint "
+                f"{self.endpoint} ({connect_reason(exc)}); {_ENDPOINT_HINT}"
+            ) from exc
         if isinstance(exc, self._errors.BotoCoreError):
             raise kind(f"{url}: {what} failed ({type(exc).__name__}: {_short(str(exc))})") from exc
         raise exc
@@ -275,7 +299,7 @@ class S3Client:
         url = self.location.url()
         bucket = self.location.bucket
         try:
-            self._client.head_bucket(Bucket=bucket)
+            self._head_bucket()
             return
         except self._errors.NoCredentialsError as exc:
             raise InputError(
@@ -309,6 +333,37 @@ class S3Client:
             raise InputError(f"{url}: cannot reach the S3 endpoint {self.endpoint}: {_ENDPOINT_HINT}") from exc
         except self._errors.BotoCoreError as exc:
             self.failure(exc, "checking access to the bucket", input_error=True)
+
+    def _head_bucket(self) -> None:
+        """The access check's request, first on a client that gives up within seconds when nothing answers
+        (one line, exit 2, instead of botocore's retries); an answer worth waiting out (throttling, a server
+        error) is asked again with the full retries. Other answers are raised for :meth:`check_access`."""
+        probe = self._make(
+            connect_timeout=PROBE_CONNECT_TIMEOUT,
+            read_timeout=PROBE_READ_TIMEOUT,
+            retries={"mode": "standard", "total_max_attempts": min(PROBE_ATTEMPTS, self.attempts)},
+        )
+        tries = min(PROBE_ATTEMPTS, self.attempts)
+        started = time.monotonic()
+        try:
+            probe.head_bucket(Bucket=self.location.bucket)
+            return
+        except (self._errors.EndpointConnectionError, self._errors.ConnectTimeoutError) as exc:
+            took = f"{count_of(tries, 'attempt')} in {time.monotonic() - started:.1f} s"
+            raise InputError(
+                f"{self.location.url()}: cannot reach the S3 endpoint {self.endpoint} ({connect_reason(exc)}; {took}): "
+                f"{_ENDPOINT_HINT}"
+            ) from exc
+        except self._errors.ReadTimeoutError as exc:
+            raise InputError(
+                f"{self.location.url()}: the S3 endpoint {self.endpoint} took the connection but did not answer within "
+                f"{PROBE_READ_TIMEOUT:.0f} s ({count_of(tries, 'attempt')}): {_ENDPOINT_HINT}"
+            ) from exc
+        except self._errors.ClientError as exc:
+            code, _, status = _error_parts(exc)
+            if not (code in THROTTLING_CODES or (status is not None and status >= 500)):
+                raise
+        self._client.head_bucket(Bucket=self.location.bucket)
 
     def list(self, page_size: int | None = None) -> builtins.list[tuple[str, int]]:
         """Objects directly under the prefix (names relative to it, no "/" in them), sorted, with sizes."""

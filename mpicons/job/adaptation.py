@@ -103,15 +103,25 @@ def _bits(code: int) -> int:
     return DTYPES[code].bits
 
 
-def convert_scanned(comm: Comm, scanned: Scanned, rules: RuleSet, config: dict[str, object] | None) -> Scanned:
-    """The scan re-expressed as the rules' Hugging Face tensors (collective: the facts are reduced again)."""
+def plan_scanned(scanned: Scanned, rules: RuleSet, config: dict[str, object] | None) -> Conversion:
+    """What the rules make of the scan's tensors (pure, per tensor: the same on every rank)."""
     facts = scanned.facts
     ndim = (facts.ndim_first % FACT_KEY).astype(np.int64)
     dtype = (facts.dtype_first % FACT_KEY).astype(np.int64)
     shapes = facts.extent if facts.declared is None else facts.declared
     storage = [tuple(int(x) for x in shapes[t][: ndim[t]]) for t in range(len(scanned.names))]
     sub_byte = [DTYPES[int(d)].bits % 8 != 0 for d in dtype]
-    conversion = plan_conversion(scanned.names, storage, sub_byte, rules, config or {})
+    return plan_conversion(scanned.names, storage, sub_byte, rules, config or {})
+
+
+def convert_scanned(
+    comm: Comm, scanned: Scanned, rules: RuleSet, config: dict[str, object] | None, conversion: Conversion | None = None
+) -> Scanned:
+    """The scan re-expressed as the rules' Hugging Face tensors (collective: the facts are reduced again);
+    ``conversion``: :func:`plan_scanned`'s, when the caller has it already."""
+    facts = scanned.facts
+    dtype = (facts.dtype_first % FACT_KEY).astype(np.int64)
+    conversion = conversion or plan_scanned(scanned, rules, config)
     width = comm.allreduce(converted_width(conversion, scanned.pieces.width), "max")
     pieces = convert_pieces(scanned.pieces, conversion, _bits).widened(width)
     count = len(conversion.outputs)
@@ -147,4 +157,4 @@ def assets_mapping(conversion: Conversion | None, assets: HFAssets | None) -> di
     return {name: file for name, file in assets.weight_map.items() if name not in dropped}
 
 
-__all__ = ["Adapter", "load_adapter", "convert_scanned", "assets_mapping", "Conversion"]
+__all__ = ["Adapter", "load_adapter", "plan_scanned", "convert_scanned", "assets_mapping", "Conversion"]

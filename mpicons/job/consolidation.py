@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING, Any
 from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on, wait_for_all
 from ..comm.interrupts import deferred, forget_pending, raise_pending, raising_inside
-from ..core.convert import prepare_conversion
+from ..core.adapter_hints import trainer_names_note
 from ..core.completeness import rank_problem
+from ..core.convert import prepare_conversion
 from ..core.engine import block_budget, check_saved_views
 from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
@@ -33,7 +34,8 @@ from ..io.outputs import OutputBackend
 from ..io.s3 import S3Location, is_s3
 from ..io.s3_output import IN_FLIGHT
 from ..io.sources import SourceFiles
-from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter
+from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter, plan_scanned
+from .dropped import dropped_warnings
 from .exchange import ExchangeWriter
 from .model_check import ModelConfig, check_model_shapes
 from .progress import Progress
@@ -70,6 +72,11 @@ class ConsolidateResult:
     skipped: list[str] = field(default_factory=list)  # entries that are not tensors (``.distcp``), left out
     #: The adapter's report: saved tensors skipped (per pattern) and dropped (each), one line each.
     adapted: list[str] = field(default_factory=list)
+    #: Dropped entries that hold what the model loses (a routing bias that is not zero, a tied head that
+    #: differs from the embeddings), one line each naming it.
+    warnings: list[str] = field(default_factory=list)
+    #: What the run could not know was wanted: without ``adapter``, names a built-in adapter would map.
+    advice: list[str] = field(default_factory=list)
     #: The Hugging Face files published beside the weights (``hf_assets``).
     assets: list[str] = field(default_factory=list)
 
@@ -172,7 +179,11 @@ def scan_inputs(
     agree(comm, lambda: check_expected_ranks(scanned, options.expect_ranks))
     scanned = select(scanned, options.include, options.exclude, options.strip_prefix)
     if adapter is not None and adapter.rules is not None:
-        scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
+        rules, config = adapter.rules, adapter.config
+        conversion = agree(comm, lambda: plan_scanned(scanned, rules, config))
+        # What the dropped entries hold is read while their pieces are still there.
+        warnings = dropped_warnings(comm, scanned, conversion, options.buffer_size)
+        scanned = convert_scanned(comm, scanned, rules, config, replace(conversion, warnings=warnings))
     return scanned
 
 
@@ -304,8 +315,17 @@ def consolidate(
         session.close()
     stats = reduce_stats(comm, clock, written, len(layout.files), len(layout.tensors), layout.total_bytes)
     result = _result(comm, output_dir, options, scanned, layout, stats, written, moved, in_effect, notes)
-    adapted = [] if scanned.conversion is None else scanned.conversion.summary()
-    return replace(result, adapted=adapted, assets=[] if adapter.assets is None else list(adapter.assets.files))
+    return _with_names_report(result, scanned, options, [] if adapter.assets is None else list(adapter.assets.files))
+
+
+def _with_names_report(result: ConsolidateResult, scanned: Scanned, options: Options, assets: list[str]) -> ConsolidateResult:
+    """The result with its lines about names: the adapter's skipped and dropped entries and its warnings,
+    or, without an adapter, the one the names seem to need; and the assets published."""
+    conversion = scanned.conversion
+    if conversion is not None:
+        return replace(result, adapted=conversion.summary(), warnings=list(conversion.warnings.values()), assets=assets)
+    note = None if options.adapter is not None else trainer_names_note(scanned.names)
+    return replace(result, advice=[] if note is None else [note], assets=assets)
 
 
 def _absolute(location: str) -> str:
@@ -356,8 +376,7 @@ def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -
     publish[0].close()
     stats = reduce_stats(comm, clock, written, len(layout.files), len(layout.tensors), layout.total_bytes)
     result = _result(comm, url, options, scanned, layout, stats, written, moved, {}, notes)
-    adapted = [] if scanned.conversion is None else scanned.conversion.summary()
-    return replace(result, adapted=adapted, assets=assets)
+    return _with_names_report(result, scanned, options, assets)
 
 
 def _refuse_the_input_as_output(input_dir: str, url: str) -> None:

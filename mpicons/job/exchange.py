@@ -25,15 +25,27 @@ import numpy as np
 from ..comm import Request, wait_all
 from ..comm.agreement import Comm
 from ..comm.base import EXCHANGE_TAG
-from ..comm.interrupts import pending_signal
-from ..core.engine import Assembler, Block, Direct, Runs, block_budget, blocks, coalesce, direct_pieces, place, plan_item
-from ..core.errors import Interrupted
+from ..comm.interrupts import deferred, pending_signal
+from ..core.engine import (
+    Assembler,
+    Block,
+    Direct,
+    Runs,
+    Segment,
+    block_budget,
+    blocks,
+    coalesce,
+    direct_pieces,
+    place,
+    plan_item,
+)  # fmt: skip
+from ..core.errors import Interrupted, MpiconsError
 from ..core.layout import Layout
 from ..core.parts import Part
 from ..core.table import ShardFiles
 from ..io.outputs import OutputBackend
 from ..io.sources import SourceFiles
-from .scan import exchange
+from .scan import Scanned, exchange
 
 SEND_WINDOW = 2
 _REQUEST = np.dtype([("key", "<i8"), ("writer", "<i4"), ("file", "<i4"), ("src", "<i8"), ("length", "<i8")])
@@ -225,3 +237,47 @@ class ExchangeWriter:
         self.output.copy(self.sources, copy.file, copy.src, copy.out, copy.offset, copy.length, self.out)
         self.written += copy.length
         self.on_bytes(copy.length)
+
+
+def feed_blocks(
+    comm: Comm,
+    scanned: Scanned,
+    layout: Layout,
+    part: Part,
+    sources: SourceFiles,
+    buffer_size: int,
+    sink: Callable[[Block, np.ndarray], None],
+    on_error: Callable[[Block, BaseException], None] | None = None,
+) -> None:
+    """Assemble this rank's rows (``part.items``, in order) from the shards block by block, in at most
+    ``buffer_size`` bytes of buffers, and hand each block to ``sink``: what ``verify`` compares and
+    what a consolidation reads of entries it does not write.
+
+    With shared input a rank assembles its own blocks; a failure to read or to take a block goes to
+    ``on_error`` (raised without it). Otherwise the blocks come through the exchange (collective:
+    every rank of ``comm`` calls this), which raises the first failure once its messages are done.
+    """
+    if scanned.shared:
+        block_bytes = block_budget(buffer_size, 2)
+        assembler = Assembler(layout, part, block_bytes, sources.read_into)
+        buffer = np.empty(block_bytes, dtype=np.uint8)
+        segments = [Segment(i.tensor, i.row_begin, i.row_end) for i in part.items]
+        for whole in blocks(layout, segments, block_bytes):
+            for block, runs in assembler.split(whole):
+                if len(buffer) < block.size:
+                    buffer = np.empty(block.size, dtype=np.uint8)
+                try:
+                    sink(block, assembler.assemble(block, buffer, runs))
+                except (MpiconsError, OSError) as exc:
+                    if on_error is None:
+                        raise
+                    on_error(block, exc)
+        return
+    with deferred():  # a message pattern every rank must complete (the exchange polls for signals itself)
+        channel = comm.duplicate()
+        try:
+            ExchangeWriter(
+                layout, part, scanned.files, sources, None, buffer_size, channel, sink=sink, copies=False, delegate=False
+            ).run()
+        finally:
+            channel.free()

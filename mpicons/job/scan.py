@@ -469,6 +469,19 @@ def select(
         seen[new] = t
     ordered = sorted(range(len(keep)), key=lambda i: renamed[i])
     old = np.array([keep[i] for i in ordered], dtype=np.int64)
+    return _readable(_subset(scanned, old, [renamed[i] for i in ordered]))
+
+
+def only(scanned: Scanned, tensors: Sequence[int]) -> Scanned:
+    """A scan of just the tensors numbered ``tensors`` (in that order), its pieces copied: the scan
+    itself keeps all of its own. Pure: every rank computes the same."""
+    names = scanned.names
+    return _subset(scanned, np.array(tensors, dtype=np.int64), [names[t] for t in tensors])
+
+
+def _subset(scanned: Scanned, old: np.ndarray, renamed: list[str]) -> Scanned:
+    """The scan of tensors ``old`` (old numbers, in their new order) under the names ``renamed``."""
+    names = scanned.names
     new_id = np.full(len(names), -1, dtype=np.int32)
     new_id[old] = np.arange(len(old), dtype=np.int32)
     pieces = scanned.pieces
@@ -483,16 +496,14 @@ def select(
         + ("declared",)
         if getattr(facts, f) is not None
     }
-    new_name = {names[t]: new for t, new in zip(keep, renamed)}
-    return _readable(
-        replace(
-            scanned,
-            names=[renamed[i] for i in ordered],
-            pieces=pieces,
-            facts=replace(facts, **per_tensor),
-            order=None if scanned.order is None else scanned.order[old],
-            unreadable={new_name[n]: m for n, m in scanned.unreadable.items() if n in new_name},
-        )
+    new_name = {names[t]: new for t, new in zip(old.tolist(), renamed)}
+    return replace(
+        scanned,
+        names=renamed,
+        pieces=pieces,
+        facts=replace(facts, **per_tensor),
+        order=None if scanned.order is None else scanned.order[old],
+        unreadable={new_name[n]: m for n, m in scanned.unreadable.items() if n in new_name},
     )
 
 
