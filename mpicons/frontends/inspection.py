@@ -274,10 +274,13 @@ def inspect(
         raise InputError(f"ranks must be a positive integer (got {ranks!r})")
     options.check(comm.size)
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-    adapter = load_adapter(comm, options)
+    adapter = load_adapter(comm, options, input_dir)
     # Tensors with pieces the scan cannot read are listed as problems, each of them, not raised.
     scanned = select(
-        scan(input_dir, comm, listing=True, endpoint=options.s3_endpoint), options.include, options.exclude, options.strip_prefix
+        scan(adapter.directory(input_dir), comm, listing=True, endpoint=options.s3_endpoint, allow=adapter.allow),
+        options.include,
+        options.exclude,
+        adapter.strip_prefix(options),
     )
     saved_names = scanned.names
     if adapter.rules is not None:
@@ -312,6 +315,7 @@ def inspect(
         mapped=mapping is not None,
         skipped=scanned.skipped,
     )
+    report.notes = [*adapter.notes, *report.notes]
     if scanned.conversion is not None:
         report.adapter = scanned.conversion.rules
         report.mapping_rows = mapping_infos(saved_names, scanned.conversion)

@@ -258,8 +258,13 @@ class _Checked:
 def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _Checked, report: VerifyReport) -> list[Problem]:
     """Every tensor of the shards in ``against`` compared with the output; the counts go into ``report``."""
     output_dir, located = checked.output_dir, checked.located
-    adapter = load_adapter(comm, options)
-    scanned = select(scan(against, comm, endpoint=options.s3_endpoint), options.include, options.exclude, options.strip_prefix)
+    adapter = load_adapter(comm, options, against)
+    scanned = select(
+        scan(adapter.directory(against), comm, endpoint=options.s3_endpoint, allow=adapter.allow),
+        options.include,
+        options.exclude,
+        adapter.strip_prefix(options),
+    )
     if adapter.rules is not None:  # the shards' tensors as the adapter made them
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
     views = None if scanned.conversion is None else scanned.conversion.views()

@@ -22,6 +22,7 @@ from ..core.options import DEFAULT_BUFFER_SIZE, DTYPE_TARGETS, FORMATS, Options
 from ..core.parts import Part
 from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
 from ..core.problems import Problems
+from ..core.unpickling import NOTHING
 from ..core.upload_parts import MIN_PART, align_work
 from ..io.backends import open_output
 from ..io.formats import OutputFormat, output_format
@@ -67,8 +68,11 @@ class ConsolidateResult:
     skipped: list[str] = field(default_factory=list)  # entries that are not tensors (``.distcp``), left out
     #: The adapter's report: saved tensors skipped (per pattern) and dropped (each), one line each.
     adapted: list[str] = field(default_factory=list)
-    #: The Hugging Face files published beside the weights (``hf_assets``).
+    #: The Hugging Face files published beside the weights (``hf_assets``, or a config a trainer derived).
     assets: list[str] = field(default_factory=list)
+    #: What the trainer's leaf said of the input: the checkpoint recognised (its iteration), the adapter it
+    #: chose, where the config came from; one line each.
+    input_notes: list[str] = field(default_factory=list)
 
 
 def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict[str, str]:
@@ -157,9 +161,11 @@ def scan_inputs(
     input_dir: str, comm: Comm, options: Options, adapter: Adapter | None = None, store: InputStore | None = None
 ) -> Scanned:
     """The scan of ``input_dir`` (through ``store`` when it is open already) with the tensors ``options``
-    select (include, exclude, strip_prefix), converted by the adapter's rules when there are any."""
+    select (include, exclude, strip_prefix), converted by the adapter's rules when there are any
+    (``input_dir``: the adapter's directory of the input, see :meth:`Adapter.directory`)."""
+    allow, prefix = (NOTHING, options.strip_prefix) if adapter is None else (adapter.allow, adapter.strip_prefix(options))
     scanned = select(
-        scan(input_dir, comm, endpoint=options.s3_endpoint, store=store), options.include, options.exclude, options.strip_prefix
+        scan(input_dir, comm, endpoint=options.s3_endpoint, store=store, allow=allow), options.include, options.exclude, prefix
     )
     if adapter is not None and adapter.rules is not None:
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
@@ -280,7 +286,8 @@ def consolidate(
     stats = reduce_stats(comm, clock, written, len(layout.files), len(layout.tensors), layout.total_bytes)
     result = _result(comm, output_dir, options, scanned, layout, stats, written, moved, in_effect, notes)
     adapted = [] if scanned.conversion is None else scanned.conversion.summary()
-    return replace(result, adapted=adapted, assets=[] if adapter.assets is None else list(adapter.assets.files))
+    assets = [] if adapter.assets is None else list(adapter.assets.files)
+    return replace(result, adapted=adapted, assets=assets, input_notes=list(adapter.notes))
 
 
 def _absolute(location: str) -> str:
@@ -299,7 +306,8 @@ def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -
         with clock("scan"):
             publish.append(agree(comm, lambda: S3Publish(comm, url, options)))
             mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-            adapter = load_adapter(comm, options)
+            adapter = load_adapter(comm, options, input_dir)
+            input_dir = adapter.directory(input_dir)
             check_buffer_fits(comm, options.buffer_size, (IN_FLIGHT + 1) * options.s3_part_size)
             store = open_store(comm, input_dir, options.s3_endpoint)  # an s3:// input's access checked first
             notes = publish[0].open()
@@ -332,7 +340,7 @@ def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -
     stats = reduce_stats(comm, clock, written, len(layout.files), len(layout.tensors), layout.total_bytes)
     result = _result(comm, url, options, scanned, layout, stats, written, moved, {}, notes)
     adapted = [] if scanned.conversion is None else scanned.conversion.summary()
-    return replace(result, adapted=adapted, assets=assets)
+    return replace(result, adapted=adapted, assets=assets, input_notes=list(adapter.notes))
 
 
 def _refuse_the_input_as_output(input_dir: str, url: str) -> None:
@@ -353,7 +361,8 @@ def _scan_phase(
         return held[0].notes
 
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-    adapter = load_adapter(comm, options)
+    adapter = load_adapter(comm, options, input_dir)
+    input_dir = adapter.directory(input_dir)  # a trainer's run directory: the iteration's
     check_output_names(comm, owner, output_dir, mapped_names(mapping))
     check_machine(comm, input_dir, output_dir, options.buffer_size)
     store = open_store(comm, input_dir, options.s3_endpoint)  # an s3:// input's access checked before anything is made
