@@ -99,7 +99,7 @@ class Megatron(Trainer):
             )
         if _is_file(directory, BACKEND_FILE):
             read_backend(directory)
-        note = f"{self.title} checkpoint, {words} (named by {os.path.join(run, TRACKER)}): {directory}"
+        note = f"{self.title} checkpoint, {words} (named by {TRACKER}): {directory}"
         return Found(self.name, directory, RUN_LAYOUT, (note,))
 
     def settle_config(self, found: Found | None, assets: HFAssets | None, model_type: str | None) -> Settled:
@@ -117,7 +117,7 @@ class Megatron(Trainer):
             return Settled(assets, (f"{exc}; config.json from --hf-assets is not checked against the run's args",))
         if config is not None:
             if run is None or run.args is None:
-                return Settled(assets, ("config.json from --hf-assets (no common.pt args to check it against)",))
+                return Settled(assets, (f"config.json from --hf-assets, not checked: {_no_args(found)}",))
             check_config(run.args, run.path, config, os.path.join(assets.directory, "config.json") if assets else "config.json")
             return Settled(assets, (f"config.json from --hf-assets agrees with the run's args ({run.path})",))
         return Settled(*self._derived(found, run, model_type))
@@ -126,12 +126,20 @@ class Megatron(Trainer):
         from ...io.assets import HFAssets, render_config
 
         if found is None or run is None or run.args is None:
-            where = "" if found is None else f" ({found.layout} {found.directory}: no {COMMON_FILE} with the run's args)"
-            raise InputError(f"--adapter {self.name} needs the model's config.json{where}: give --hf-assets DIR")
+            raise InputError(f"--adapter {self.name} needs the model's config.json ({_no_args(found)}): give --hf-assets DIR")
         config = derive_config(run.args, run.path, model_type)
         assets = HFAssets(found.directory, config, None, ("config.json",), (), render_config(config))
         note = f"config.json derived from the run's args ({run.path}): model_type {config['model_type']}"
         return assets, (note,)
+
+
+def _no_args(found: Found | None) -> str:
+    """Why there are no run arguments to derive or check a config with."""
+    if found is None:
+        return "the input is not a directory mpicons recognises as Megatron's"
+    if found.layout == NEMO_LAYOUT:
+        return f"a {NEMO_LAYOUT} keeps the model's config in context/, which mpicons does not read"
+    return f"{found.directory} holds no {COMMON_FILE} with the run's args"
 
 
 def _iterations(location: str) -> list[str]:
