@@ -256,6 +256,9 @@ def derive_config(values: Mapping[str, object], path: str, model_type: str | Non
     }
     if type(positions) is int and positions > 0:
         config["max_position_embeddings"] = positions
+    aux_loss = values.get("moe_aux_loss_coeff")
+    if FAMILIES[family].experts and type(aux_loss) in (int, float):  # training only: said, never checked
+        config["router_aux_loss_coef"] = float(aux_loss)  # type: ignore[arg-type]
     return config_with_dtype(config, _dtype(args))
 
 
