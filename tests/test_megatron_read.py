@@ -378,3 +378,17 @@ def test_model_type_decides_between_families_the_args_allow() -> None:
     assert (moe["model_type"], moe["intermediate_size"], moe["num_local_experts"]) == ("mixtral", 32, 4)
     with pytest.raises(InputError, match="has qk-norm"):
         derive_config(_args("llama-tp2"), "common.pt", "qwen3")
+
+
+def test_model_type_must_agree_with_the_assets(tmp_path: Path) -> None:
+    case = CASES[0]
+    with pytest.raises(InputError, match="--model-type 'qwen3': config.json from --hf-assets says 'llama'"):
+        consolidate(
+            checkpoint(case),
+            tmp_path / "out",
+            adapter=str(rules_for(case, tmp_path)),
+            hf_assets=hf_assets(case),
+            model_type="qwen3",
+        )
+    with pytest.raises(InputError, match="--model-type is for"):
+        consolidate(Path(__file__).parent / "fixtures" / "distcp" / "transposed" / "dcp", tmp_path / "out", model_type="llama")
