@@ -24,6 +24,8 @@ from mpicons.comm import SingleProcess
 from mpicons.core.adapter_rules import choose_rules, parse_rules, target_names
 from mpicons.core.adapting import plan_conversion
 from mpicons.core.errors import InputError
+from mpicons.trainers import trainer
+from mpicons.trainers.torchtitan import TORCHTITAN
 
 ORIGIN = "user.rules"
 #: Lines before the line under test: a comment, a model_type, a blank line and a good rule (so it is line 5).
@@ -698,13 +700,13 @@ def test_rules_without_config_need_no_assets(tmp_path: Path) -> None:
     ],
 )
 def test_the_model_type_chooses_the_rule_file(model_type: str, rule_file: str) -> None:
-    assert choose_rules("torchtitan", {"model_type": model_type}).origin == f"torchtitan:{rule_file}"
+    assert TORCHTITAN.choose_rules({"model_type": model_type}).origin == f"torchtitan:{rule_file}"
 
 
 @pytest.mark.parametrize("model_type", ["mistral", "llama4", None, ""])
 def test_a_model_type_without_rules_is_refused(model_type: str | None) -> None:
     with pytest.raises(InputError) as caught:
-        choose_rules("torchtitan", {"model_type": model_type})
+        TORCHTITAN.choose_rules({"model_type": model_type})
     message = str(caught.value)
     assert caught.value.exit_code == 2
     assert repr(model_type) in message
@@ -713,9 +715,13 @@ def test_a_model_type_without_rules_is_refused(model_type: str | None) -> None:
 
 def test_the_builtin_adapter_needs_a_config() -> None:
     with pytest.raises(InputError, match="--hf-assets"):
-        choose_rules("torchtitan", None)
-    with pytest.raises(InputError, match="unknown adapter 'megatron'"):
-        choose_rules("megatron", {"model_type": "llama"})
+        TORCHTITAN.choose_rules(None)
+    assert trainer("deepspeed") is None  # not a built-in adapter: a rule file's path
+
+
+def test_unknown_adapter_is_a_missing_rule_file(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="no such file .*built-in adapters: torchtitan, megatron"):
+        mpicons.consolidate(tmp_path, tmp_path / "out", adapter="deepspeed", comm=SingleProcess())
 
 
 #: FACTS.md §3 and §7, typed from it (not from the rule files): a deepseek_v3 layer's native names
@@ -793,7 +799,7 @@ def test_deepseek_v3_names_are_the_facts(q_lora: bool) -> None:
     saved, hf = deepseek_checkpoint(q_lora)
     config: dict[str, object] = {"model_type": "deepseek_v3", "num_hidden_layers": 2, "q_lora_rank": 4 if q_lora else None}
     config["tie_word_embeddings"] = False
-    rule_set = choose_rules("torchtitan", config)
+    rule_set = TORCHTITAN.choose_rules(config)
     conversion = plan_conversion(list(saved), list(saved.values()), [False] * len(saved), rule_set, config)
     assert sorted(conversion.names) == sorted(hf)
     assert len(conversion.names) == len(set(conversion.names))
@@ -809,9 +815,7 @@ def test_deepseek_v3_names_are_the_facts(q_lora: bool) -> None:
 def test_deepseek_v3_tied_head_is_dropped() -> None:
     saved, hf = deepseek_checkpoint(True)
     config = {"model_type": "deepseek_v3", "num_hidden_layers": 2, "tie_word_embeddings": True}
-    conversion = plan_conversion(
-        list(saved), list(saved.values()), [False] * len(saved), choose_rules("torchtitan", config), config
-    )
+    conversion = plan_conversion(list(saved), list(saved.values()), [False] * len(saved), TORCHTITAN.choose_rules(config), config)
     assert sorted(conversion.names) == sorted(n for n in hf if n != "lm_head.weight")
     assert conversion.dropped_names() == {"lm_head.weight"}
 
@@ -824,7 +828,7 @@ def test_llama_permutes_q_and_k_with_their_head_counts() -> None:
         "layers.0.attention.qkv_linear.wk.weight": (8, 16),
         "layers.0.attention.qkv_linear.wv.weight": (8, 16),
     }
-    conversion = plan_conversion(list(saved), list(saved.values()), [False] * 3, choose_rules("torchtitan", config), config)
+    conversion = plan_conversion(list(saved), list(saved.values()), [False] * 3, TORCHTITAN.choose_rules(config), config)
     by_name = {o.name: o for o in conversion.outputs}
     q, k = by_name["model.layers.0.self_attn.q_proj.weight"], by_name["model.layers.0.self_attn.k_proj.weight"]
     assert (q.kind, q.storage) == ("rope_to_half", (4, 2, 2, 16))  # heads, head_dim/2, pairs

@@ -26,9 +26,10 @@ LAYERS: dict[str, set[str]] = {
     "mpicons.core": set(),
     "mpicons.comm": {"mpicons.core"},
     "mpicons.io": {"mpicons.core", "mpicons.comm"},
-    "mpicons.job": {"mpicons.core", "mpicons.comm", "mpicons.io"},
-    "mpicons.frontends": {"mpicons.core", "mpicons.comm", "mpicons.io", "mpicons.job"},
-    "mpicons": {"mpicons.core", "mpicons.comm", "mpicons.io", "mpicons.job", "mpicons.frontends"},
+    "mpicons.trainers": {"mpicons.core", "mpicons.comm", "mpicons.io"},
+    "mpicons.job": {"mpicons.core", "mpicons.comm", "mpicons.io", "mpicons.trainers"},
+    "mpicons.frontends": {"mpicons.core", "mpicons.comm", "mpicons.io", "mpicons.trainers", "mpicons.job"},
+    "mpicons": {"mpicons.core", "mpicons.comm", "mpicons.io", "mpicons.trainers", "mpicons.job", "mpicons.frontends"},
 }
 #: The only modules that import mpi4py, and the only ones that import torch.
 MPI_MODULES = {"mpicons.comm.mpi", "mpicons.io.mpiio"}
@@ -124,12 +125,19 @@ def _prints_ok(code: str) -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
 
 
+#: The one layer whose modules sit in sub-packages of their own: a trainer's leaf (``trainers/megatron/``).
+LEAVES = "mpicons.trainers"
+
+
 def test_every_module_is_in_a_layer_one_level_deep() -> None:
+    """Layers are one level deep; only the trainers' layer holds leaves one level further (one per trainer)."""
     for module in MODULES:
-        assert module.count(".") <= 2, f"{module}: sub-packages are one level deep"
+        depth = 3 if module.startswith(LEAVES + ".") else 2
+        assert module.count(".") <= depth, f"{module}: sub-packages are one level deep (a trainer's leaf: two)"
         assert _layer(module) == "mpicons" or module.startswith(_layer(module)), module
     packages = {m for m in MODULES if FILES[m].name == "__init__.py"}
-    assert packages == set(LAYERS), "every package is a layer of LAYERS, every layer a package"
+    leaves = {p for p in packages if p.startswith(LEAVES + ".")}
+    assert packages - leaves == set(LAYERS), "every package is a layer of LAYERS (or a trainer's leaf), every layer a package"
     for package in packages - {"mpicons"}:
         assert ast.get_docstring(ast.parse(FILES[package].read_text())), f"{package}/__init__.py says what lives there"
 
@@ -192,16 +200,22 @@ def test_the_design_doc_tree_lists_every_module() -> None:
     """docs/design.md's tree names every module of the package, each under its own package."""
     text = (ROOT / "docs" / "design.md").read_text()
     tree = text.split("```text", 1)[1].split("```", 1)[0]
-    listed, package = set(), "mpicons"
+    listed: set[str] = set()
+    packages: list[tuple[int, str]] = []  # the open folders: indentation, package
     for line in tree.splitlines():
         match = re.match(r"^(\s*)([\w]+)(/|\.py)", line)
         if not match:
             continue
+        indent = len(match.group(1))
+        while packages and packages[-1][0] >= indent:
+            packages.pop()
         if match.group(3) == "/":
-            package = "mpicons" if match.group(2) == "mpicons" else f"mpicons.{match.group(2)}"
+            package = match.group(2) if not packages else f"{packages[-1][1]}.{match.group(2)}"
+            packages.append((indent, package))
             listed.add(package)
         else:
             name = match.group(2)
+            package = packages[-1][1] if packages else "mpicons"
             listed.add(package if name == "__init__" else f"{package}.{name}")
     assert listed == set(MODULES)
 

@@ -23,6 +23,7 @@ import mpicons
 from mpicons.comm import SingleProcess
 from mpicons.core.adapter_hints import recognising_adapters
 from mpicons.sample import SampleConfig, full_tensor, tensor_specs, write_sample
+from mpicons.trainers import known_rule_sets
 
 TITAN = Path(__file__).parent / "fixtures" / "torchtitan"
 TIMEOUT = 120
@@ -46,11 +47,11 @@ def _flat(text: str) -> str:
 
 def test_the_built_in_rules_recognise_a_trainer_s_own_names() -> None:
     titan = ["tok_embeddings.weight", "layers.0.attention.wo.weight", "norm.weight", "optimizer.state.norm.weight.exp_avg"]
-    assert recognising_adapters(titan) == ["torchtitan"]
-    assert recognising_adapters(["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]) == []
-    assert recognising_adapters(["optimizer.state.norm.weight.exp_avg"]) == []  # nothing a rule renames
-    assert recognising_adapters([*titan, "my_own.weight"]) == []  # one name no rule reads
-    assert recognising_adapters([]) == []
+    assert recognising_adapters(titan, known_rule_sets()) == ["torchtitan"]
+    assert recognising_adapters(["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"], known_rule_sets()) == []
+    assert recognising_adapters(["optimizer.state.norm.weight.exp_avg"], known_rule_sets()) == []  # nothing a rule renames
+    assert recognising_adapters([*titan, "my_own.weight"], known_rule_sets()) == []  # one name no rule reads
+    assert recognising_adapters([], known_rule_sets()) == []
 
 
 def test_trainer_names_without_an_adapter_are_consolidated_with_a_note(tmp_path: Path) -> None:

@@ -3,8 +3,9 @@ Face's already (what an adapter writes). Pure; the built-in rule sets are asked 
 
 Asked when no adapter is given (a trainer's names consolidated as they are load in no transformers
 model), when an adapter's rules match none of a checkpoint's names (they may be the names the rules
-write), and by ``verify`` when an output's names and the shards' do not line up. Only
-:func:`builtin_rule_sets` knows where the rule files live.
+write), and by ``verify`` when an output's names and the shards' do not line up. The rule sets
+asked are the caller's (``known``: each built-in adapter's name with one of its rule sets, as
+:func:`mpicons.trainers.known_rule_sets` gives them): this layer knows no trainer.
 """
 
 from __future__ import annotations
@@ -13,14 +14,12 @@ import functools
 import re
 from collections.abc import Iterable, Sequence
 
-from .adapter_rules import BUILTIN, Rule, RuleSet, builtin_rule_sets
+from .adapter_rules import Rule, RuleSet
+
+#: Built-in rule sets, each with the ``--adapter`` name that chooses it.
+KnownRules = Sequence[tuple[str, RuleSet]]
 
 _TARGET_PART = re.compile(r"\{([^{}]*)\}")
-
-
-@functools.cache
-def _builtin() -> tuple[tuple[str, RuleSet], ...]:
-    return tuple((adapter, rules) for adapter in BUILTIN for rules in builtin_rule_sets(adapter))
 
 
 def _source_rule(rules: RuleSet, name: str) -> Rule | None:
@@ -40,12 +39,12 @@ def maps_every_name(rules: RuleSet, names: Iterable[str]) -> bool:
     return renamed
 
 
-def recognising_adapters(names: Sequence[str]) -> list[str]:
+def recognising_adapters(names: Sequence[str], known: KnownRules) -> list[str]:
     """The built-in adapters (``--adapter NAME``) one of whose rule files maps every name in ``names``."""
     if not names:
         return []
     found: list[str] = []
-    for adapter, rules in _builtin():
+    for adapter, rules in known:
         if adapter not in found and maps_every_name(rules, names):
             found.append(adapter)
     return found
@@ -74,20 +73,20 @@ def mostly_written_by(rules: RuleSet, names: Sequence[str]) -> bool:
     return bool(names) and 2 * sum(written_by(rules, name) for name in names) > len(names)
 
 
-def adapter_between(saved: Sequence[str], written: Sequence[str]) -> str | None:
+def adapter_between(saved: Sequence[str], written: Sequence[str], known: KnownRules) -> str | None:
     """The built-in adapter one of whose rule files maps every name in ``saved`` and writes most of
     ``written``: an output made from those shards with that adapter, or None."""
     if not saved or not written:
         return None
-    for adapter, rules in _builtin():
+    for adapter, rules in known:
         if maps_every_name(rules, saved) and mostly_written_by(rules, written):
             return adapter
     return None
 
 
-def trainer_names_note(names: Sequence[str]) -> str | None:
+def trainer_names_note(names: Sequence[str], known: KnownRules) -> str | None:
     """The consolidation report's note when the names are a trainer's own and no adapter was given."""
-    adapters = recognising_adapters(names)
+    adapters = recognising_adapters(names, known)
     if not adapters:
         return None
     options = " or ".join(f"--adapter {a} --hf-assets DIR" for a in adapters)
@@ -99,6 +98,7 @@ def trainer_names_note(names: Sequence[str]) -> str | None:
 
 
 __all__ = [
+    "KnownRules",
     "maps_every_name",
     "recognising_adapters",
     "written_by",

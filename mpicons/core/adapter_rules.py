@@ -2,7 +2,7 @@
 
 A rule file is text, one rule per line (``#`` starts a comment), read and checked whole before any
 work so that a bad rule is one error naming its line. The format is in ``docs/adapter-rules.md``;
-the built-in torchtitan adapter is written in it (``mpicons/core/rules/``). Pure: parsing and
+each trainer's built-in rules are written in it (``mpicons/trainers/*/rules/``). Pure: parsing and
 matching only; what the rules do to pieces is :mod:`mpicons.core.adapting`.
 
 Lines::
@@ -24,7 +24,6 @@ import ast
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from importlib import resources
 
 from .errors import InputError
 
@@ -39,8 +38,6 @@ TRANSFORMS: dict[str, tuple[str, ...]] = {
 #: Arguments that name a saved tensor (a dotted name, not an expression) and may be left out:
 #: ``drop(same_as=tok_embeddings.weight)`` says the entry repeats that tensor (a tied ``lm_head``).
 NAME_ARGS = {("drop", "same_as")}
-#: The names of the built-in adapters and the rule files of each, by the config's ``model_type``.
-BUILTIN = {"torchtitan": ("torchtitan-llama.rules", "torchtitan-qwen3.rules", "torchtitan-deepseek-v3.rules")}
 
 _CAPTURE = re.compile(r"\{([A-Za-z_]\w*)\}")
 _TARGET_FIELD = re.compile(r"\{([A-Za-z_]\w*)(?:\s*\+\s*([^{}]+))?\}")
@@ -372,41 +369,19 @@ def parse_rules(text: str, origin: str) -> RuleSet:
     return RuleSet(origin, tuple(rules), tuple(model_types), defaults, reads_config)
 
 
-def builtin_rule_sets(name: str) -> list[RuleSet]:
-    """The rule files of a built-in adapter (``torchtitan``), parsed."""
-    folder = resources.files("mpicons.core").joinpath("rules")
-    return [parse_rules(folder.joinpath(file).read_text(encoding="utf-8"), f"{name}:{file}") for file in BUILTIN[name]]
-
-
-def choose_rules(adapter: str, config: Mapping[str, object] | None, text: str | None = None) -> RuleSet:
-    """The rule set for ``adapter`` and the model's config: a built-in name (one file per model family,
-    chosen by the config's ``model_type``), or a rule file whose ``text`` the caller read."""
-    if text is not None:
-        rule_set = parse_rules(text, adapter)
-        if rule_set.reads_config and config is None:
-            raise InputError(f"{adapter}: its rules read the model's config: give --hf-assets DIR (with config.json)")
-        model_type = None if config is None else config.get("model_type")
-        if rule_set.model_types and model_type is not None and model_type not in rule_set.model_types:
-            raise InputError(
-                f"{adapter}: written for model_type {', '.join(rule_set.model_types)}, but config.json says {model_type!r}"
-            )
-        return rule_set
-    if adapter not in BUILTIN:
-        raise InputError(f"unknown adapter {adapter!r} (built-in: {', '.join(BUILTIN)}; or a rule file's path)")
-    if config is None:
+def choose_rules(adapter: str, config: Mapping[str, object] | None, text: str) -> RuleSet:
+    """The rule set of a rule file (``adapter``: its path, ``text``: what the caller read), checked against
+    the model's config: a file that reads the config needs one, and one written for other model types
+    refuses it. (A trainer's built-in rules are chosen by its leaf, :mod:`mpicons.trainers`.)"""
+    rule_set = parse_rules(text, adapter)
+    if rule_set.reads_config and config is None:
+        raise InputError(f"{adapter}: its rules read the model's config: give --hf-assets DIR (with config.json)")
+    model_type = None if config is None else config.get("model_type")
+    if rule_set.model_types and model_type is not None and model_type not in rule_set.model_types:
         raise InputError(
-            f"--adapter {adapter} needs the model's config.json: give --hf-assets DIR (the model's Hugging Face files)"
+            f"{adapter}: written for model_type {', '.join(rule_set.model_types)}, but config.json says {model_type!r}"
         )
-    model_type = config.get("model_type")
-    sets = builtin_rule_sets(adapter)
-    for rule_set in sets:
-        if model_type in rule_set.model_types:
-            return rule_set
-    known = sorted(t for s in sets for t in s.model_types)
-    raise InputError(
-        f"--adapter {adapter}: config.json's model_type {model_type!r} has no built-in rules (known: {', '.join(known)}); "
-        f"write a rule file for it (docs/adapter-rules.md) and pass --adapter FILE"
-    )
+    return rule_set
 
 
 def target_names(rule: Rule, captures: Mapping[str, str], config: Mapping[str, object], where: str) -> list[str]:
@@ -435,12 +410,10 @@ def target_names(rule: Rule, captures: Mapping[str, str], config: Mapping[str, o
 __all__ = [
     "TRANSFORMS",
     "NAME_ARGS",
-    "BUILTIN",
     "Transform",
     "Rule",
     "RuleSet",
     "parse_rules",
-    "builtin_rule_sets",
     "choose_rules",
     "target_names",
     "evaluate",

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .adapter_hints import adapter_between
+from .adapter_hints import KnownRules, adapter_between
 from .convert import TARGETS
 from .format import DTYPE_BY_NAME, HeaderError
 from .layout import Layout
@@ -258,9 +258,16 @@ def _element_index(storage_index: tuple[int, ...], dtype: str, ndim: int) -> lis
 
 
 def against_checks(
-    plan: Layout, against: str, output_dir: str, listing: Listing, results: list[FileResult], located: dict[str, Located]
+    plan: Layout,
+    against: str,
+    output_dir: str,
+    listing: Listing,
+    results: list[FileResult],
+    located: dict[str, Located],
+    known: KnownRules = (),
 ) -> tuple[set[int], list[Problem]]:
-    """Tensors present on both sides with the same dtype and shape (comparable), and the problems of the rest."""
+    """Tensors present on both sides with the same dtype and shape (comparable), and the problems of the rest
+    (``known``: the built-in rule sets asked whether the names differ as an adapter would make them)."""
     join = lambda name: os.path.join(output_dir, name)  # noqa: E731
     unreadable = set(listing.listed_missing) | set(listing.refused) | {r.name for r in results if r.tensors is None}
     weight_map = listing.weight_map or {}
@@ -295,10 +302,12 @@ def against_checks(
     for tensor, where in located.items():
         if tensor not in names:
             problems.append(file_problem(join(where.file), tensor, f"not in the shards in {against}", kind="extra tensor"))
-    return comparable, _options_hints(plan, output_dir, located, problems)
+    return comparable, _options_hints(plan, output_dir, located, problems, known)
 
 
-def _options_hints(plan: Layout, output_dir: str, located: dict[str, Located], problems: list[Problem]) -> list[Problem]:
+def _options_hints(
+    plan: Layout, output_dir: str, located: dict[str, Located], problems: list[Problem], known: KnownRules
+) -> list[Problem]:
     """An output written with ``--dtype`` or ``--adapter`` and checked without it: one problem saying which
     option to give, in place of a problem per tensor."""
     hint = _dtype_hint(plan, located)
@@ -308,7 +317,7 @@ def _options_hints(plan: Layout, output_dir: str, located: dict[str, Located], p
         problems.append(file_problem(output_dir, None, hint, kind="dtype option"))
     missing = [p.tensor for p in problems if p.kind == "missing tensor" and p.tensor]
     extra = [p.tensor for p in problems if p.kind == "extra tensor" and p.tensor]
-    adapter = adapter_between(missing, extra) if missing and extra else None
+    adapter = adapter_between(missing, extra, known) if missing and extra else None
     if adapter is not None:
         problems = [p for p in problems if p.kind not in ("missing tensor", "extra tensor")]
         what = (

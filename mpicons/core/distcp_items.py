@@ -151,7 +151,7 @@ _STORAGE_TYPES: dict[tuple[str, str], object] = {
 }
 
 
-class _TensorUnpickler(RestrictedUnpickler):
+class TensorUnpickler(RestrictedUnpickler):
     """Unpickles the ``data.pkl`` of one ``torch.save`` of a tensor into a :class:`_TensorRef`, running nothing."""
 
     functions = _TENSOR_FUNCTIONS
@@ -171,7 +171,7 @@ class _TensorUnpickler(RestrictedUnpickler):
         raise pickle.UnpicklingError(f"persistent id {shown(pid)}")
 
 
-class _Window(io.RawIOBase):
+class SourceWindow(io.RawIOBase):
     """Bytes ``[start, start + length)`` of a source as a seekable file of their own (for zipfile)."""
 
     def __init__(self, source: ByteSource, start: int, length: int) -> None:
@@ -410,7 +410,7 @@ def _archive_piece(
     data = record.read(begin, pickled[1])
     ref = pickles.get(data)
     if ref is None:
-        ref = pickles[data] = unpickle(data, _TensorUnpickler, where, "the item's data.pkl")
+        ref = pickles[data] = unpickle(data, TensorUnpickler, where, "the item's data.pkl")
     if not isinstance(ref, _TensorRef):
         raise InputError(f"{where}: the item holds a {type(ref).__name__}, not a tensor")
     name = f"{root}/data/{ref.storage.key}"
@@ -428,7 +428,7 @@ def _archive_piece_zipfile(source: ByteSource, where: str, item: Item) -> tuple[
     """:func:`_archive_piece` for any zip archive, read through :mod:`zipfile`."""
     record = _ItemBytes(source, item, b"")
     try:
-        archive = zipfile.ZipFile(_Window(source, item.item_offset, item.item_length))
+        archive = zipfile.ZipFile(SourceWindow(source, item.item_offset, item.item_length))
         members = {info.filename: info for info in archive.infolist()}
         root = next(iter(members)).split("/")[0] if members else ""
         pickled = members.get(f"{root}/data.pkl")
@@ -440,7 +440,7 @@ def _archive_piece_zipfile(source: ByteSource, where: str, item: Item) -> tuple[
         _member_start(
             record, where, item, pickled.filename, pickled.header_offset, pickled.file_size, boundary[pickled.header_offset]
         )
-        ref = unpickle(archive.read(pickled), _TensorUnpickler, where, "the item's data.pkl")
+        ref = unpickle(archive.read(pickled), TensorUnpickler, where, "the item's data.pkl")
     except (zipfile.BadZipFile, zipfile.LargeZipFile, KeyError, OSError, EOFError, StopIteration) as exc:
         raise InputError(f"{where}: the item at byte {item.item_offset} is not a readable torch.save archive ({exc})") from None
     if not isinstance(ref, _TensorRef):
@@ -563,4 +563,4 @@ def _blob_piece(blob: dict[str, _BlobEntry], where: str, item: Item) -> int:
     return begin
 
 
-__all__ = ["STORAGE_DTYPES", "Item", "ItemProblem", "locate", "locate_all"]
+__all__ = ["STORAGE_DTYPES", "Item", "ItemProblem", "SourceWindow", "TensorUnpickler", "locate", "locate_all"]

@@ -4,8 +4,9 @@
 offset, length) of the item holding it. It is read by a restricted unpickler that knows DCP's
 metadata classes, ``torch.Size``, torch dtypes and the few helpers the pickle names, each replaced
 by an inert stand-in; any other name is refused before anything of the pickle runs. Non-tensor
-entries (``BytesStorageMetadata``: step counters, data-loader state) are skipped and listed. The
-facts this relies on are in docs/distcp-format.md.
+entries (``BytesStorageMetadata``: step counters, data-loader state) are skipped and listed. Classes
+a trainer adds (Megatron's ``all_local_plans``) are read only when the caller allows them, as records
+nothing here looks at. The facts this relies on are in docs/distcp-format.md.
 """
 
 from __future__ import annotations
@@ -22,31 +23,24 @@ import numpy as np
 from .byte_sources import ByteSource, opened
 from .errors import InputError
 from .format import DTYPE_BY_NAME, DTYPE_ORDER, MAX_DIM, MAX_NDIM
-from .unpickling import Budget, Refused, RestrictedUnpickler, TorchDType, shown, unpickle
+from .unpickling import (
+    NOTHING,
+    AllowList,
+    Budget,
+    Record,
+    Refused,
+    RestrictedUnpickler,
+    TorchDType,
+    record_class,
+    shown,
+    unpickle,
+)
 
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 
 
-class _Record:
-    """Stands in for one of DCP's metadata classes: keeps the pickled state (a dict of fields), runs nothing."""
-
-    __slots__ = ("state",)
-    kind = ""
-
-    def __setstate__(self, state: object) -> None:
-        self.state = state
-
-    def field(self, name: str, default: object = None) -> object:
-        state = getattr(self, "state", None)
-        return state.get(name, default) if isinstance(state, dict) else default
-
-
-def _record(kind: str) -> type[_Record]:
-    return type(kind, (_Record,), {"__slots__": (), "kind": kind})
-
-
 _RECORDS = {
-    (module, name): _record(name)
+    (module, name): record_class(name)
     for module, names in (
         (
             _METADATA_MODULE,
@@ -137,14 +131,14 @@ def _bad_metadata(path: str, what: str) -> InputError:
 
 
 def _fields(record: object, kind: str, path: str) -> dict[str, Any]:
-    if not isinstance(record, _Record) or record.kind != kind or not isinstance(getattr(record, "state", None), dict):
+    if not isinstance(record, Record) or record.kind != kind or not isinstance(getattr(record, "state", None), dict):
         raise _bad_metadata(path, f"expected a {kind}, found {type(record).__name__}")
     return record.state  # type: ignore[return-value]
 
 
 def _dtype_of(properties: object, name: str, path: str) -> str:
     """The safetensors dtype of a ``TensorProperties`` (pickled as a tuple, or as a field dict)."""
-    state = getattr(properties, "state", None) if isinstance(properties, _Record) else None
+    state = getattr(properties, "state", None) if isinstance(properties, Record) else None
     if isinstance(state, tuple) and len(state) >= 2:
         dtype, layout = state[0], state[1]
     elif isinstance(state, dict):
@@ -238,25 +232,26 @@ def _check_tensor_bytes(path: str, name: str, dtype: str, size: tuple[int, ...])
         raise InputError(f"{path}: tensor {name!r}: size {list(size)} of {dtype} is 2**63 bytes or more (damaged metadata?)")
 
 
-def read_metadata(source: ByteSource | str) -> DistcpTable:
+def read_metadata(source: ByteSource | str, allow: AllowList = NOTHING) -> DistcpTable:
     """Read ``.metadata`` (a pickle of DCP's ``Metadata``) without torch, refusing anything else it could hold.
 
-    ``source`` is read whole in one read, or is the path of a file opened here."""
+    ``source`` is read whole in one read, or is the path of a file opened here. ``allow``: the classes a
+    trainer adds to the pickle (Megatron's save plans), read as inert records and otherwise ignored."""
     # The pickle makes a few objects per piece and none of them cycles: the cyclic garbage collector
     # would only rescan them over and over (two thirds of the time for 200,000 pieces).
     collecting = gc.isenabled()
     gc.disable()
     try:
         with opened(source) as readable:
-            return _read_metadata(readable)
+            return _read_metadata(readable, allow)
     finally:
         if collecting:
             gc.enable()
 
 
-def _read_metadata(source: ByteSource) -> DistcpTable:
+def _read_metadata(source: ByteSource, allow: AllowList) -> DistcpTable:
     path, data = source.name, source.read_at(0, source.size)
-    metadata = _fields(unpickle(data, _MetadataUnpickler, path, "the metadata"), "Metadata", path)
+    metadata = _fields(unpickle(data, _MetadataUnpickler, path, "the metadata", allow), "Metadata", path)
     del data
     entries = metadata.get("state_dict_metadata")
     if not isinstance(entries, dict):
@@ -270,7 +265,7 @@ def _read_metadata(source: ByteSource) -> DistcpTable:
     tensors: dict[str, tuple[str, tuple[int, ...], list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
     skipped = []
     for name, entry in entries.items():
-        if isinstance(entry, _Record) and entry.kind == "BytesStorageMetadata":
+        if isinstance(entry, Record) and entry.kind == "BytesStorageMetadata":
             skipped.append(name)
             continue
         fields = _fields(entry, "TensorStorageMetadata", path)

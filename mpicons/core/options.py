@@ -122,9 +122,10 @@ class Options:
     )
     adapter: str | None = _option(
         None,
-        "Map a training framework's names and layouts to Hugging Face's: ``torchtitan`` (the built-in rules, "
-        "chosen by the assets' ``config.json`` ``model_type``) or a path to a rule file (docs/adapter-rules.md). "
-        "None: tensors keep their saved names and layouts.",
+        "Map a training framework's names and layouts to Hugging Face's: ``torchtitan`` or ``megatron`` (the "
+        "built-in rules, chosen by ``config.json``'s ``model_type``) or a path to a rule file (docs/adapter-rules.md). "
+        "None: tensors keep their saved names and layouts, unless the input is recognisably a trainer's whose "
+        "adapter is then chosen (a Megatron checkpoint: ``megatron``).",
     )
     hf_assets: str | os.PathLike[str] | None = _option(
         None,
@@ -140,6 +141,11 @@ class Options:
         "(``shard-RRRRR-*`` numbered 1..N as torch names them, ``__R_*.distcp`` 0..N-1), else bad input naming "
         "the missing ranks. DCP's Hugging Face layout records no full shapes, so this catches a checkpoint "
         "missing its last rank's files when no ``config.json`` is at hand. None: not checked.",
+    )
+    model_type: str | None = _option(
+        None,
+        "The Hugging Face ``model_type`` of a checkpoint whose config mpicons derives (a Megatron run without "
+        "``hf_assets``), where the run's arguments cannot tell it: ``llama``, ``qwen3``, ``qwen3_moe`` or ``mixtral``.",
     )
     keep_dtype: tuple[str, ...] = _option(
         (), "Glob patterns (on the output name): with ``dtype``, tensors matching one keep their saved dtype."
@@ -190,7 +196,9 @@ class Options:
         if self.keep_dtype and self.dtype is None:
             raise InputError("--keep-dtype keeps tensors out of a --dtype conversion: give --dtype too")
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
-            raise InputError(f"--adapter is 'torchtitan' or a rule file's path (got {self.adapter!r})")
+            raise InputError(f"--adapter is 'torchtitan', 'megatron' or a rule file's path (got {self.adapter!r})")
+        if self.model_type is not None and (not isinstance(self.model_type, str) or not self.model_type):
+            raise InputError(f"--model-type is a Hugging Face model_type such as 'llama' (got {self.model_type!r})")
         if self.strip_prefix is not None and (not isinstance(self.strip_prefix, str) or not self.strip_prefix):
             raise InputError(f"--strip-prefix must be a non-empty string (got {self.strip_prefix!r})")
         if self.expect_ranks is not None and (

@@ -1,6 +1,10 @@
 """Restricted unpickling for DCP's pickles (no MPI here): a pre-scan of the opcodes, then an
 unpickler that hands out only inert, read-only stand-ins.
 
+A trainer that pickles more than the format's own classes (Megatron's save plans in ``.metadata``,
+``argparse.Namespace`` in ``common.pt``) names them in an :class:`AllowList`, by exact module and
+name; they become inert :class:`Record` or :class:`EnumMember` values, nothing of them imported.
+
 Before anything of a pickle runs, :func:`check_opcodes` walks its opcodes once and refuses what
 would make Python's unpickler take memory out of proportion to the file or crash (memo indices
 beyond what was stored, lengths past the end, nesting deeper than :data:`MAX_DEPTH`, opcodes DCP
@@ -14,7 +18,8 @@ from __future__ import annotations
 import io
 import pickle
 import reprlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import InputError
@@ -90,6 +95,99 @@ class _Function(Sealed):
         return f"function {self.function.__name__}"
 
 
+class Record:
+    """An object of a class the reader allows, as data: the state its pickle gives it (a dict of fields,
+    or a tuple); no code of the class is imported or run. ``kind`` names the class."""
+
+    __slots__ = ("state",)
+    kind = ""
+
+    def __setstate__(self, state: object) -> None:
+        self.state = state
+
+    def field(self, name: str, default: object = None) -> object:
+        state = getattr(self, "state", None)
+        return state.get(name, default) if isinstance(state, dict) else default
+
+    def __repr__(self) -> str:
+        return f"{self.kind} record"
+
+
+_RECORD_CLASSES: dict[str, type[Record]] = {}
+
+
+def record_class(kind: str) -> type[Record]:
+    """The :class:`Record` class of ``kind`` (one per kind, made on first use)."""
+    found = _RECORD_CLASSES.get(kind)
+    if found is None:
+        found = _RECORD_CLASSES[kind] = type(kind.rpartition(".")[2] or "Record", (Record,), {"__slots__": (), "kind": kind})
+    return found
+
+
+class EnumMember(Sealed):
+    """A member of an allowed enum class, as its class's name and its value (``WriteItemType(2)``)."""
+
+    __slots__ = ("kind", "value")
+    kind: str
+    value: int | str
+
+    def __init__(self, kind: str, value: int | str) -> None:
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "value", value)
+
+    def __repr__(self) -> str:
+        return f"{self.kind}({self.value!r})"
+
+
+@dataclass(frozen=True)
+class AllowList:
+    """Classes a trainer's pickles name beyond a format's own, each by its exact module and name. Nothing
+    is imported: a class of ``records`` becomes a :class:`Record` of its pickled state, a class of ``enums``
+    an :class:`EnumMember` of the value it is called with. ``source`` says whose classes they are (messages)."""
+
+    records: frozenset[tuple[str, str]] = frozenset()
+    enums: frozenset[tuple[str, str]] = frozenset()
+    source: str = ""
+
+    @classmethod
+    def of(cls, source: str, records: Iterable[str] = (), enums: Iterable[str] = ()) -> AllowList:
+        """An allow-list from dotted names (``module.Class``)."""
+        return cls(frozenset(map(_split_name, records)), frozenset(map(_split_name, enums)), source)
+
+    def __or__(self, other: AllowList) -> AllowList:
+        source = " and ".join(s for s in (self.source, other.source) if s)
+        return AllowList(self.records | other.records, self.enums | other.enums, source)
+
+    def __bool__(self) -> bool:
+        return bool(self.records or self.enums)
+
+    def names(self) -> list[str]:
+        """Every class allowed, as ``module.Class``, sorted."""
+        return sorted(f"{module}.{name}" for module, name in self.records | self.enums)
+
+
+def _split_name(dotted: str) -> tuple[str, str]:
+    module, _, name = dotted.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"{dotted!r} is not a module and class name")
+    return module, name
+
+
+#: Nothing beyond a format's own classes.
+NOTHING = AllowList()
+
+
+def _enum_member(kind: str) -> Callable[..., EnumMember]:
+    def member(budget: Budget, value: object) -> EnumMember:
+        if type(value) not in (int, str):
+            raise pickle.UnpicklingError(f"{kind} of {shown(value)}")
+        budget.spend(1)
+        return EnumMember(kind, value)  # type: ignore[arg-type]
+
+    member.__name__ = kind
+    return member
+
+
 class Refused(Exception):
     """The pickle names something mpicons does not stand in for."""
 
@@ -116,18 +214,22 @@ def _torch_dtype(module: str, name: str) -> TorchDType | None:
 
 class RestrictedUnpickler(pickle.Unpickler):
     """A restricted unpickler: ``find_class`` hands out only read-only stand-ins (functions bound to
-    this pickle's budget, made afresh for each pickle) and refuses every other name."""
+    this pickle's budget, made afresh for each pickle), the format's own classes (``others``) and
+    what ``allow`` names as records; it refuses every other name."""
 
     functions: dict[tuple[str, str], Callable[..., object]] = {}
     others: dict[tuple[str, str], object] = {}
 
-    def __init__(self, data: bytes) -> None:
+    def __init__(self, data: bytes, allow: AllowList = NOTHING) -> None:
         super().__init__(io.BytesIO(data))
         budget = Budget(len(data))
-        self._found = {key: _Function(function, budget) for key, function in self.functions.items()}
+        self._found = {key: _Function(_enum_member(".".join(key)), budget) for key in allow.enums}
+        self._found.update({key: _Function(function, budget) for key, function in self.functions.items()})
+        self._records = {key: record_class(".".join(key)) for key in allow.records}
 
     def find_class(self, module: str, name: str) -> Any:
-        found = self._found.get((module, name)) or self.others.get((module, name)) or _torch_dtype(module, name)
+        key = (module, name)
+        found = self._found.get(key) or self.others.get(key) or self._records.get(key) or _torch_dtype(module, name)
         if found is None:
             raise Refused(f"{module}.{name}")
         return found
@@ -139,14 +241,23 @@ _UNREADABLE = (
 )  # fmt: skip
 
 
-def unpickle(data: bytes, unpickler: type[RestrictedUnpickler], path: str, what: str) -> object:
-    """``data`` unpickled with ``unpickler`` after :func:`check_opcodes`; every failure is bad input."""
+def unpickle(
+    data: bytes,
+    unpickler: type[RestrictedUnpickler],
+    path: str,
+    what: str,
+    allow: AllowList = NOTHING,
+    format_name: str = "DCP's checkpoint format",
+) -> object:
+    """``data`` unpickled with ``unpickler`` (and the classes ``allow`` names) after :func:`check_opcodes`;
+    every failure is bad input. ``format_name``: what the pickle belongs to, for the refusal."""
     try:
         check_opcodes(data)
-        return unpickler(data).load()
+        return unpickler(data, allow).load()
     except Refused as exc:
+        beside = f" nor among the classes {allow.source} adds" if allow.source else ""
         raise InputError(
-            f"{path}: unsupported: {what} names {exc}, which is not part of DCP's checkpoint format "
+            f"{path}: unsupported: {what} names {exc}, which is not part of {format_name}{beside} "
             "(refused without running anything)"
         ) from None
     except _Bound as exc:
@@ -365,11 +476,16 @@ def _rare_opcode(data: bytes, at: int, op: int, kind: int, arg: int, stack: list
 
 __all__ = [
     "MAX_DEPTH",
+    "NOTHING",
     "TORCH_DTYPES",
+    "AllowList",
     "Budget",
+    "EnumMember",
+    "Record",
     "Refused",
     "RestrictedUnpickler",
     "Sealed",
+    "record_class",
     "TorchDType",
     "check_opcodes",
     "shown",

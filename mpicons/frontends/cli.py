@@ -314,8 +314,14 @@ def _add_selection_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--adapter",
         metavar="NAME|FILE",
-        help="map a trainer's names and layouts to Hugging Face's: 'torchtitan' (built-in rules, by config.json's "
-        "model_type; needs --hf-assets) or a rule file (docs/adapter-rules.md)",
+        help="map a trainer's names and layouts to Hugging Face's: 'torchtitan' or 'megatron' (built-in rules, by "
+        "config.json's model_type) or a rule file (docs/adapter-rules.md); a Megatron checkpoint chooses 'megatron'",
+    )
+    cmd.add_argument(
+        "--model-type",
+        metavar="TYPE",
+        help="the model_type of a Megatron run whose config.json mpicons derives, where its args cannot tell "
+        "(llama, qwen3, qwen3_moe, mixtral)",
     )
     cmd.add_argument(
         "--hf-assets",
@@ -352,6 +358,7 @@ def _selection(args: argparse.Namespace) -> dict[str, Any]:
         "exclude": tuple(args.exclude),
         "strip_prefix": args.strip_prefix,
         "adapter": args.adapter,
+        "model_type": args.model_type,
         "hf_assets": args.hf_assets,
         "keep_dtype": tuple(args.keep_dtype),
         "s3_endpoint": args.s3_endpoint,
@@ -554,6 +561,7 @@ def closing_report(result: ConsolidateResult, verbose: bool, width: int) -> list
         if result.hints:
             hints = [f"{k}={v}" for k, v in sorted(result.hints.items())]
             lines += fit_items("  MPI-IO hints in effect: ", hints, width, indent="    ")
+    lines += [f"{messages.PREFIX}{note}" for note in result.input_notes]
     if result.skipped:
         counted, names = skipped_parts(result.skipped)
         lines += fit_items(f"{messages.PREFIX}skipped {counted}: ", names, width)
@@ -597,7 +605,7 @@ def _adapter_lines(result: ConsolidateResult, verbose: bool, width: int) -> list
 def _stats_report(result: ConsolidateResult) -> dict[str, object]:
     report = result.stats.to_dict()
     report.update(files=result.files, moved_bytes=result.moved_bytes, shared_input=result.shared_input, notes=result.notes)
-    report.update(adapter=result.adapted, assets=result.assets, skipped=result.skipped)
+    report.update(adapter=result.adapted, assets=result.assets, skipped=result.skipped, input_notes=result.input_notes)
     report.update(warnings=result.warnings, advice=result.advice)
     return report
 

@@ -40,6 +40,7 @@ from ..job.adaptation import convert_scanned, load_adapter
 from ..job.consolidation import layout_of, load_mapping, mapping_of
 from ..job.model_check import judge, layout_tensors
 from ..job.scan import distribute, scan, select
+from ..trainers import known_rule_sets
 
 #: Width the table output is laid out for.
 WIDTH = 100
@@ -281,14 +282,14 @@ def inspect(
         raise InputError(f"ranks must be a positive integer (got {ranks!r})")
     options.check(comm.size)
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-    adapter = load_adapter(comm, options, input_dir=input_dir)
+    adapter = load_adapter(comm, options, input_dir)
     # Tensors with pieces the scan cannot read are listed as problems, each of them, not raised.
-    scanned = scan(input_dir, comm, listing=True, endpoint=options.s3_endpoint)
+    scanned = scan(adapter.directory(input_dir), comm, listing=True, endpoint=options.s3_endpoint, allow=adapter.allow)
     problems = Problems(strict=False)
     ranks_problem = None if options.expect_ranks is None else rank_problem(scanned.files, options.expect_ranks, input_dir)
     if ranks_problem is not None:
         problems.add(ranks_problem)
-    scanned = select(scanned, options.include, options.exclude, options.strip_prefix)
+    scanned = select(scanned, options.include, options.exclude, adapter.strip_prefix(options))
     saved_names = scanned.names
     if adapter.rules is not None:
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
@@ -324,11 +325,12 @@ def inspect(
         mapped=mapping is not None,
         skipped=scanned.skipped,
     )
+    report.notes = [*adapter.notes, *report.notes]
     if scanned.conversion is not None:
         report.adapter = scanned.conversion.rules
         report.mapping_rows = mapping_infos(saved_names, scanned.conversion)
     elif options.adapter is None:
-        report.notes += [note for note in [trainer_names_note(scanned.names)] if note]
+        report.notes += [note for note in [trainer_names_note(scanned.names, known_rule_sets())] if note]
     report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))
     if report.caveat is not None and options.expect_ranks is None and verdict.checked(scanned.names) is None:
         report.notes.append(UNCHECKED_HINT)

@@ -36,6 +36,7 @@ from ..job.consolidation import check_buffer_fits
 from ..job.exchange import feed_blocks
 from ..job.model_check import judge, layout_tensors
 from ..job.scan import Scanned, distribute, open_sources, scan, select
+from ..trainers import known_rule_sets
 from .output_reading import MAX_INDEX_SIZE, OutputFiles, check_file, list_output, open_regular
 
 
@@ -219,10 +220,10 @@ class _Checked:
 def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _Checked, report: VerifyReport) -> list[Problem]:
     """Every tensor of the shards in ``against`` compared with the output; the counts go into ``report``."""
     output_dir, located = checked.output_dir, checked.located
-    adapter = load_adapter(comm, options, input_dir=against)
-    scanned = scan(against, comm, endpoint=options.s3_endpoint)
+    adapter = load_adapter(comm, options, against)
+    scanned = scan(adapter.directory(against), comm, endpoint=options.s3_endpoint, allow=adapter.allow)
     ranks_problem = None if options.expect_ranks is None else rank_problem(scanned.files, options.expect_ranks, against)
-    scanned = select(scanned, options.include, options.exclude, options.strip_prefix)
+    scanned = select(scanned, options.include, options.exclude, adapter.strip_prefix(options))
     if adapter.rules is not None:  # the shards' tensors as the adapter made them
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
     views = None if scanned.conversion is None else scanned.conversion.views()
@@ -240,7 +241,9 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
     )
     part = distribute(comm, scanned, layout)
     agree(comm, lambda: check_saved_views(layout, part, block_budget(options.buffer_size, 4)))
-    comparable, problems = against_checks(layout, against, output_dir, checked.listing, checked.results, located)
+    comparable, problems = against_checks(
+        layout, against, output_dir, checked.listing, checked.results, located, known_rule_sets()
+    )
     verdict = judge(comm, layout_tensors(layout), adapter.model)
     problems += ([] if ranks_problem is None else [ranks_problem]) + [p for _, p in verdict.problems()]
     report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))

@@ -1,9 +1,12 @@
-"""A model adapter in the job: its rules and the model's config read once and shared, then the scan's
-pieces re-expressed as the Hugging Face tensors (per tensor, the same on every rank; per piece, numpy).
+"""A model adapter in the job: the trainers asked whether the input is theirs, the rules and the
+model's config read once and shared, then the scan's pieces re-expressed as the Hugging Face tensors
+(per tensor, the same on every rank; per piece, numpy).
 
-The conversion itself is pure (:mod:`mpicons.core.adapting`); here are the parts that read files
-(on one rank, the result or the error reaching every rank) and the facts reduced again over the
-communicator for the converted pieces.
+The conversion itself is pure (:mod:`mpicons.core.adapting`) and knows no trainer: what a trainer's
+leaf (:mod:`mpicons.trainers`) says of the input (the directory to read, the classes its metadata
+may name, a prefix to remove, a derived config) is handed down as parameters. Here are the parts
+that read files (on one rank, the result or the error reaching every rank) and the facts reduced
+again over the communicator for the converted pieces.
 """
 
 from __future__ import annotations
@@ -15,13 +18,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..comm.agreement import Comm, agree_on
-from ..core.adapter_rules import BUILTIN, RuleSet, choose_rules
+from ..core.adapter_rules import RuleSet, choose_rules
 from ..core.adapting import Conversion, convert_pieces, converted_declared, converted_order, converted_width, plan_conversion
 from ..core.errors import InputError
 from ..core.facts import FACT_KEY, piece_destinations
 from ..core.format import DTYPES
 from ..core.options import Options
+from ..core.unpickling import NOTHING, AllowList
 from ..io.regular_files import NotRegular, kind_of, open_regular, read_bounded
+from ..io.s3 import is_s3
+from ..trainers import TRAINERS, Found, Settled, Trainer, recognise, trainer
 from .model_check import ModelConfig, load_model_config
 from .scan import Scanned, reduce_facts
 
@@ -34,16 +40,29 @@ MAX_RULE_FILE = 1 << 20
 
 @dataclass(frozen=True)
 class Adapter:
-    """What the options ask of the model's files: the rules (None: no adapter), the assets (None: none),
-    and the model's config to check the shapes against (None: none given or beside the input)."""
+    """What the options and the input ask of the model's files: the rules (None: no adapter), the assets
+    (None: none; a config a trainer derived is one), the trainer's checkpoint recognised at the input,
+    the classes its metadata may name, what the report says about them, and the model's config to check the
+    output's shapes against (None: none given, derived or beside the input)."""
 
     rules: RuleSet | None
     assets: HFAssets | None
+    found: Found | None = None
+    allow: AllowList = NOTHING
+    notes: tuple[str, ...] = ()
     model: ModelConfig | None = None
 
     @property
     def config(self) -> dict[str, object] | None:
         return None if self.assets is None else self.assets.config
+
+    def directory(self, input_dir: str) -> str:
+        """The directory to scan: the one the trainer found at ``input_dir`` (an iteration's), else ``input_dir``."""
+        return input_dir if self.found is None else self.found.directory
+
+    def strip_prefix(self, options: Options) -> str | None:
+        """``--strip-prefix``, else the prefix the trainer's layout gives every name (NeMo's ``module.``)."""
+        return options.strip_prefix if options.strip_prefix is not None or self.found is None else self.found.strip_prefix
 
 
 def _read_rule_file(path: str) -> str:
@@ -51,7 +70,7 @@ def _read_rule_file(path: str) -> str:
     try:
         fd = open_regular(path, follow_links=True)
     except FileNotFoundError:
-        raise InputError(f"--adapter {path!r}: no such file (built-in adapters: {', '.join(BUILTIN)})") from None
+        raise InputError(f"--adapter {path!r}: no such file (built-in adapters: {', '.join(TRAINERS)})") from None
     except NotRegular as exc:
         raise InputError(f"--adapter {path!r}: {kind_of(exc.mode)}, not a rule file") from None
     except OSError as exc:
@@ -68,35 +87,59 @@ def _read_rule_file(path: str) -> str:
         raise InputError(f"--adapter {path!r}: not a text file (UTF-8)") from None
 
 
-def load_adapter(comm: Comm, options: Options, owner: int = 0, input_dir: str | None = None) -> Adapter:
-    """The assets and rules ``options`` name, read on ``owner`` and shared (an error is every rank's); with
-    ``input_dir``, also the model's config (``--hf-assets``', else one beside the input) for the shape check."""
-    adapter = _load_rules_and_assets(comm, options, owner)
-    if input_dir is None:
-        return adapter
-    return replace(adapter, model=load_model_config(comm, input_dir, adapter.assets))
+def _recognised(input_dir: str | None) -> Found | None:
+    """The trainers asked about a local input directory (an ``s3://`` location or per-rank directories: not asked)."""
+    if input_dir is None or is_s3(input_dir) or "{rank}" in input_dir:
+        return None
+    return recognise(input_dir)
 
 
-def _load_rules_and_assets(comm: Comm, options: Options, owner: int) -> Adapter:
-    if options.adapter is None and options.hf_assets is None:
-        return Adapter(None, None)
+def _settled(options: Options, found: Found | None, chosen: Trainer | None) -> Settled:
+    """The assets, and the config as the adapter's trainer (or, under a rule file, the input's) settles it."""
+    from ..io.assets import read_assets
+
+    assets = None if options.hf_assets is None else read_assets(os.fspath(options.hf_assets))
+    if assets is not None and assets.config is None and (options.adapter is not None or chosen is not None):
+        raise InputError(f"--hf-assets {assets.directory!r}: no config.json (an adapter reads the model's shape from it)")
+    settler = chosen or (TRAINERS[found.trainer] if found is not None and options.adapter is not None else None)
+    if settler is None:
+        if options.model_type is not None:
+            raise InputError("--model-type is for a checkpoint whose config mpicons derives (a Megatron run's)")
+        return Settled(assets)
+    mine = found if found is not None and found.trainer == settler.name else None
+    return settler.settle_config(mine, assets, options.model_type)
+
+
+def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, owner: int = 0) -> Adapter:
+    """The trainer that recognises ``input_dir``, the assets and the rules ``options`` name (or the trainer's
+    own, when the input chooses them), read on ``owner`` and shared (an error is every rank's); with
+    ``input_dir``, also the model's config (the assets', else one beside the input) for the shape check."""
 
     def read() -> Adapter:
-        from ..io.assets import read_assets
-
-        assets = None if options.hf_assets is None else read_assets(os.fspath(options.hf_assets))
-        config = None if assets is None else assets.config
-        if options.hf_assets is not None and options.adapter is not None and config is None:
-            raise InputError(
-                f"--hf-assets {os.fspath(options.hf_assets)!r}: no config.json (an adapter reads the model's shape from it)"
+        found = _recognised(input_dir)
+        named = None if options.adapter is None else trainer(options.adapter)
+        auto = found is not None and options.adapter is None and TRAINERS[found.trainer].chosen_unasked
+        chosen = named or (TRAINERS[found.trainer] if auto and found is not None else None)
+        notes = [] if found is None else list(found.notes)
+        if auto and chosen is not None:
+            notes.append(
+                f"adapter {chosen.name}: chosen because the input is a {chosen.title} checkpoint (--adapter FILE for other rules)"
             )
+        settled = _settled(options, found, chosen)
         rules = None
-        if options.adapter is not None:
-            text = None if options.adapter in BUILTIN else _read_rule_file(options.adapter)
-            rules = choose_rules(options.adapter, config, text)
-        return Adapter(rules, assets)
+        if chosen is not None:
+            rules = chosen.choose_rules(settled.config)
+        elif options.adapter is not None:
+            rules = choose_rules(options.adapter, settled.config, _read_rule_file(options.adapter))
+        allow = (
+            TRAINERS[found.trainer].metadata_allow if found is not None else (NOTHING if named is None else named.metadata_allow)
+        )
+        return Adapter(rules, settled.assets, found, allow, (*notes, *settled.notes))
 
-    return agree_on(comm, owner, read)
+    adapter = agree_on(comm, owner, read)
+    if input_dir is None:
+        return adapter
+    return replace(adapter, model=load_model_config(comm, adapter.directory(input_dir), adapter.assets))
 
 
 def _bits(code: int) -> int:

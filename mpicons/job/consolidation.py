@@ -25,6 +25,7 @@ from ..core.options import DEFAULT_BUFFER_SIZE, DTYPE_TARGETS, FORMATS, Options
 from ..core.parts import Part
 from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
 from ..core.problems import Problems
+from ..core.unpickling import NOTHING
 from ..core.upload_parts import MIN_PART, align_work
 from ..io.backends import open_output
 from ..io.formats import OutputFormat, output_format
@@ -34,6 +35,7 @@ from ..io.outputs import OutputBackend
 from ..io.s3 import S3Location, is_s3
 from ..io.s3_output import IN_FLIGHT
 from ..io.sources import SourceFiles
+from ..trainers import known_rule_sets
 from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter, plan_scanned
 from .dropped import dropped_warnings
 from .exchange import ExchangeWriter
@@ -77,8 +79,11 @@ class ConsolidateResult:
     warnings: list[str] = field(default_factory=list)
     #: What the run could not know was wanted: without ``adapter``, names a built-in adapter would map.
     advice: list[str] = field(default_factory=list)
-    #: The Hugging Face files published beside the weights (``hf_assets``).
+    #: The Hugging Face files published beside the weights (``hf_assets``, or a config a trainer derived).
     assets: list[str] = field(default_factory=list)
+    #: What the trainer's leaf said of the input: the checkpoint recognised (its iteration), the adapter it
+    #: chose, where the config came from; one line each.
+    input_notes: list[str] = field(default_factory=list)
 
 
 def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict[str, str]:
@@ -174,10 +179,12 @@ def scan_inputs(
     input_dir: str, comm: Comm, options: Options, adapter: Adapter | None = None, store: InputStore | None = None
 ) -> Scanned:
     """The scan of ``input_dir`` (through ``store`` when it is open already) with the tensors ``options``
-    select (include, exclude, strip_prefix), converted by the adapter's rules when there are any."""
-    scanned = scan(input_dir, comm, endpoint=options.s3_endpoint, store=store)
+    select (include, exclude, strip_prefix), converted by the adapter's rules when there are any
+    (``input_dir``: the adapter's directory of the input, see :meth:`Adapter.directory`)."""
+    allow, prefix = (NOTHING, options.strip_prefix) if adapter is None else (adapter.allow, adapter.strip_prefix(options))
+    scanned = scan(input_dir, comm, endpoint=options.s3_endpoint, store=store, allow=allow)
     agree(comm, lambda: check_expected_ranks(scanned, options.expect_ranks))
-    scanned = select(scanned, options.include, options.exclude, options.strip_prefix)
+    scanned = select(scanned, options.include, options.exclude, prefix)
     if adapter is not None and adapter.rules is not None:
         rules, config = adapter.rules, adapter.config
         conversion = agree(comm, lambda: plan_scanned(scanned, rules, config))
@@ -315,17 +322,20 @@ def consolidate(
         session.close()
     stats = reduce_stats(comm, clock, written, len(layout.files), len(layout.tensors), layout.total_bytes)
     result = _result(comm, output_dir, options, scanned, layout, stats, written, moved, in_effect, notes)
-    return _with_names_report(result, scanned, options, [] if adapter.assets is None else list(adapter.assets.files))
+    return _with_names_report(result, scanned, options, adapter)
 
 
-def _with_names_report(result: ConsolidateResult, scanned: Scanned, options: Options, assets: list[str]) -> ConsolidateResult:
-    """The result with its lines about names: the adapter's skipped and dropped entries and its warnings,
-    or, without an adapter, the one the names seem to need; and the assets published."""
+def _with_names_report(result: ConsolidateResult, scanned: Scanned, options: Options, adapter: Adapter) -> ConsolidateResult:
+    """The result with its lines about names and the input: the adapter's skipped and dropped entries and its
+    warnings, or, without an adapter, the one the names seem to need; what the trainer's leaf noted of the
+    input; and the assets published."""
     conversion = scanned.conversion
+    assets = [] if adapter.assets is None else list(adapter.assets.files)
+    result = replace(result, assets=assets, input_notes=list(adapter.notes))
     if conversion is not None:
-        return replace(result, adapted=conversion.summary(), warnings=list(conversion.warnings.values()), assets=assets)
-    note = None if options.adapter is not None else trainer_names_note(scanned.names)
-    return replace(result, advice=[] if note is None else [note], assets=assets)
+        return replace(result, adapted=conversion.summary(), warnings=list(conversion.warnings.values()))
+    note = None if options.adapter is not None else trainer_names_note(scanned.names, known_rule_sets())
+    return replace(result, advice=[] if note is None else [note])
 
 
 def _absolute(location: str) -> str:
@@ -344,7 +354,8 @@ def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -
         with clock("scan"):
             publish.append(agree(comm, lambda: S3Publish(comm, url, options)))
             mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-            adapter = load_adapter(comm, options, input_dir=input_dir)
+            adapter = load_adapter(comm, options, input_dir)
+            input_dir = adapter.directory(input_dir)
             check_buffer_fits(comm, options.buffer_size, (IN_FLIGHT + 1) * options.s3_part_size)
             store = open_store(comm, input_dir, options.s3_endpoint)  # an s3:// input's access checked first
             notes = publish[0].open()
@@ -376,7 +387,7 @@ def _consolidate_to_s3(comm: Comm, input_dir: str, url: str, options: Options) -
     publish[0].close()
     stats = reduce_stats(comm, clock, written, len(layout.files), len(layout.tensors), layout.total_bytes)
     result = _result(comm, url, options, scanned, layout, stats, written, moved, {}, notes)
-    return _with_names_report(result, scanned, options, assets)
+    return _with_names_report(result, scanned, options, adapter)
 
 
 def _refuse_the_input_as_output(input_dir: str, url: str) -> None:
@@ -406,7 +417,8 @@ def _scan_phase(
         return held[0].notes
 
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-    adapter = load_adapter(comm, options, input_dir=input_dir)
+    adapter = load_adapter(comm, options, input_dir)
+    input_dir = adapter.directory(input_dir)  # a trainer's run directory: the iteration's
     check_output_names(comm, owner, output_dir, mapped_names(mapping))
     check_machine(comm, input_dir, output_dir, options.buffer_size)
     store = open_store(comm, input_dir, options.s3_endpoint)  # an s3:// input's access checked before anything is made

@@ -39,6 +39,7 @@ from ..core.parts import Part
 from ..core.problems import Problems
 from ..core.reports import count_of
 from ..core.table import Pieces, ShardFiles, dense_strides, shard_files, to_storage_units
+from ..core.unpickling import NOTHING, AllowList
 from ..io.inputs import InputStore, PosixInputs, open_inputs, rank_directory
 from ..io.journal import describe_names
 from ..io.s3 import is_s3
@@ -201,7 +202,12 @@ def _union(a: list[str], b: list[str]) -> list[str]:
 
 
 def scan(
-    input_dir: str, comm: Comm, listing: bool = False, endpoint: str | None = None, store: InputStore | None = None
+    input_dir: str,
+    comm: Comm,
+    listing: bool = False,
+    endpoint: str | None = None,
+    store: InputStore | None = None,
+    allow: AllowList = NOTHING,
 ) -> Scanned:
     """Find the shards and read every header once, split over ``comm``; the facts are the same on every rank.
 
@@ -209,11 +215,12 @@ def scan(
     (``endpoint``: the S3 API's; ``store``: the location already opened by :func:`open_store`).
     ``.distcp`` pieces that cannot be read are left out and their tensors kept in ``unreadable``:
     :func:`select` refuses those it keeps, all named at once, unless ``listing`` (``inspect``).
+    ``allow``: the classes a trainer adds to ``.metadata`` (its leaf's allow-list), read as inert records.
     """
     store = store if store is not None else open_store(comm, input_dir, endpoint)
     names, sizes, holders = discover(input_dir, comm, store)
     if METADATA_NAME in names:
-        return _scan_distcp(store, comm, names, sizes, holders, listing)
+        return _scan_distcp(store, comm, names, sizes, holders, listing, allow)
     files = shard_files(names, sizes, holders)
     readers = assign_readers(holders, len(names), comm.size)
     mine = np.flatnonzero(readers == comm.rank)
@@ -263,12 +270,15 @@ def _missing_file_message(store: InputStore, name: str) -> str:
     return f"{store.path(METADATA_NAME)}: names data file {name!r}, which no rank sees"
 
 
-def _read_distcp_metadata(store: InputStore, listed: list[str], sizes: list[int], listing: bool = False) -> DistcpTable:
-    """``.metadata`` read (whole, in one read); a data file it names that no rank sees is bad input, unless
-    ``listing`` (``inspect``: the tensors with pieces there are listed as unreadable, the rest described)."""
+def _read_distcp_metadata(
+    store: InputStore, listed: list[str], sizes: list[int], listing: bool = False, allow: AllowList = NOTHING
+) -> DistcpTable:
+    """``.metadata`` read (whole, in one read; ``allow``: a trainer's extra classes); a data file it names that
+    no rank sees is bad input, unless ``listing`` (``inspect``: the tensors with pieces there are listed as
+    unreadable, the rest described)."""
     source = store.open(METADATA_NAME, sizes[listed.index(METADATA_NAME)])
     try:
-        table = read_metadata(source)
+        table = read_metadata(source, allow)
     finally:
         source.close()
     present = set(listed)
@@ -299,13 +309,14 @@ def _scan_distcp(
     sizes: list[int],
     holders: list[np.ndarray] | None,
     listing: bool = False,
+    allow: AllowList = NOTHING,
 ) -> Scanned:
     """``.metadata`` read by one rank that sees it; each piece sent to the reader of its data file, which
     finds the piece's bytes inside its item (``torch.save`` archive or safetensors blob)."""
     directory = store.location
     meta = names.index(METADATA_NAME)
     owner = 0 if holders is None else int(holders[meta][0])
-    table = agree(comm, lambda: _read_distcp_metadata(store, names, sizes, listing) if comm.rank == owner else None)
+    table = agree(comm, lambda: _read_distcp_metadata(store, names, sizes, listing, allow) if comm.rank == owner else None)
     missing = {} if table is None else _missing_files(table, store, names)
     tensors: Any = comm.bcast(
         None

@@ -1,0 +1,45 @@
+"""The trainers mpicons knows, one leaf each (``torchtitan/``, ``megatron/``): how to recognise a
+checkpoint of theirs, the classes their pickles may name, their rule files, where their config and
+iteration live (no MPI here).
+
+Nothing below this package names a trainer. The job asks the trainers in turn whether the input is
+theirs (:func:`recognise`) and hands what the one that claims it gives (an allow-list for the
+metadata's pickle, a directory to read, rule sets, a config) to the layers below as parameters.
+A new trainer is one more leaf and one more entry in :data:`TRAINERS`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ..core.adapter_rules import RuleSet
+from .base import Found, Settled, Trainer
+from .megatron import MEGATRON
+from .torchtitan import TORCHTITAN
+
+#: Every trainer, by its ``--adapter`` name, in the order they are asked.
+TRAINERS: dict[str, Trainer] = {trainer.name: trainer for trainer in (TORCHTITAN, MEGATRON)}
+
+
+def recognise(location: str) -> Found | None:
+    """The checkpoint at ``location`` as the first trainer that recognises it sees it (None: no trainer's own)."""
+    for trainer in TRAINERS.values():
+        found = trainer.recognise(location)
+        if found is not None:
+            return found
+    return None
+
+
+def trainer(name: str) -> Trainer | None:
+    """The trainer of a built-in ``--adapter`` name (None: not one, a rule file's path)."""
+    return TRAINERS.get(name)
+
+
+@functools.cache
+def known_rule_sets() -> tuple[tuple[str, RuleSet], ...]:
+    """Every trainer's built-in rule sets, each with its ``--adapter`` name: what the hints about names ask
+    (:mod:`mpicons.core.adapter_hints`). Parsed once per process."""
+    return tuple((name, rules) for name, known in TRAINERS.items() for rules in known.rule_sets())
+
+
+__all__ = ["TRAINERS", "Found", "Settled", "Trainer", "known_rule_sets", "recognise", "trainer"]

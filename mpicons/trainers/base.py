@@ -1,0 +1,96 @@
+"""What every trainer leaf provides (no MPI here): how to recognise its checkpoints, the classes its
+pickles may name, its rule files, and the model's config.
+
+A leaf subclasses :class:`Trainer` and overrides what its checkpoints need; the defaults describe a
+trainer whose checkpoints are plain DCP (torchtitan): nothing to recognise, nothing extra in the
+pickles, the config from ``--hf-assets``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+from ..core.adapter_rules import RuleSet, parse_rules
+from ..core.errors import InputError
+from ..core.unpickling import NOTHING, AllowList
+
+if TYPE_CHECKING:
+    from ..io.assets import HFAssets
+
+
+@dataclass(frozen=True)
+class Found:
+    """A checkpoint a trainer recognised at the location the user gave."""
+
+    trainer: str  # the trainer's name (its ``--adapter`` name)
+    directory: str  # the directory that holds ``.metadata`` and the data files
+    layout: str  # which of the trainer's layouts it is, in words ("iteration directory", ...)
+    notes: tuple[str, ...] = ()  # what the report says about it (the iteration chosen, ...)
+    strip_prefix: str | None = None  # a prefix every saved name carries (NeMo's ``module.``)
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The model's config as the job uses it: the assets to publish (a derived config is one), the
+    config the rules read, and what the report says about it."""
+
+    assets: HFAssets | None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        return None if self.assets is None else self.assets.config
+
+
+class Trainer:
+    """A trainer's leaf: subclasses override what their checkpoints need."""
+
+    #: The ``--adapter`` name.
+    name = ""
+    #: What its checkpoints are called in reports.
+    title = ""
+    #: Classes its ``.metadata`` pickles name beyond DCP's own (read as inert records).
+    metadata_allow: AllowList = NOTHING
+    #: Whether an input it recognises chooses its adapter when ``--adapter`` is not given.
+    chosen_unasked = False
+
+    def recognise(self, location: str) -> Found | None:
+        """The checkpoint at ``location`` if it is recognisably this trainer's (None: not its own);
+        :class:`InputError` when it is, but cannot be read as given."""
+        return None
+
+    def settle_config(self, found: Found | None, assets: HFAssets | None, model_type: str | None) -> Settled:
+        """The config for the rules: the assets' own by default (a trainer may derive one, or check it)."""
+        if model_type is not None:
+            raise InputError(
+                f"--model-type is for checkpoints whose config mpicons derives; --adapter {self.name} reads config.json"
+            )
+        return Settled(assets)
+
+    def rule_sets(self) -> list[RuleSet]:
+        """The trainer's built-in rule files (``rules/*.rules`` in its folder), parsed, by file name."""
+        folder = resources.files(type(self).__module__).joinpath("rules")
+        files = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".rules")) if folder.is_dir() else []
+        return [parse_rules(folder.joinpath(file).read_text(encoding="utf-8"), f"{self.name}:{file}") for file in files]
+
+    def choose_rules(self, config: dict[str, Any] | None) -> RuleSet:
+        """The rule file for the config's ``model_type``; bad input when there is no config or no file for it."""
+        if config is None:
+            raise InputError(
+                f"--adapter {self.name} needs the model's config.json: give --hf-assets DIR (the model's Hugging Face files)"
+            )
+        model_type = config.get("model_type")
+        sets = self.rule_sets()
+        for rule_set in sets:
+            if model_type in rule_set.model_types:
+                return rule_set
+        known = sorted(t for s in sets for t in s.model_types)
+        raise InputError(
+            f"--adapter {self.name}: config.json's model_type {model_type!r} has no built-in rules "
+            f"(known: {', '.join(known) or 'none yet'}); write a rule file for it (docs/adapter-rules.md) and pass --adapter FILE"
+        )
+
+
+__all__ = ["Found", "Settled", "Trainer"]

@@ -1,0 +1,154 @@
+"""Megatron-Core's ``torch_dist`` checkpoints (Megatron-LM, NeMo 2, Megatron-Bridge): recognised by
+their layout, read as DCP with the save plans Megatron adds to ``.metadata`` allowed as inert records,
+converted by the rule files in ``rules/`` (by config.json's ``model_type``), the config derived from
+``common.pt``'s args when the run has none (:mod:`.config`).
+
+Layouts recognised (the directory the user gives):
+
+- a run's checkpoint directory holding ``latest_checkpointed_iteration.txt``: the iteration it names;
+- an iteration directory (``iter_0000010``, ``release``): ``.metadata`` beside ``metadata.json``;
+- a NeMo 2 checkpoint (a step directory holding ``weights/`` and ``context/``, or its ``weights/``):
+  the same files in ``weights/``, every name prefixed ``module.`` (removed).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from ...core.errors import InputError
+from ...core.names import METADATA_NAME
+from ..base import Found, Settled, Trainer
+from .config import check_config, derive_config
+from .files import (
+    BACKEND_FILE,
+    COMMON_FILE,
+    ITERATION_DIR,
+    METADATA_ALLOW,
+    TRACKER,
+    RunFacts,
+    read_backend,
+    read_common,
+    tracked_iteration,
+)
+
+if TYPE_CHECKING:
+    from ...io.assets import HFAssets
+
+RUN_LAYOUT, ITERATION_LAYOUT, NEMO_LAYOUT = "run directory", "iteration directory", "NeMo 2 checkpoint"
+NEMO_PREFIX = "module."
+
+
+def _is_file(directory: str, name: str) -> bool:
+    return os.path.isfile(os.path.join(directory, name))
+
+
+def _nemo_weights(location: str) -> str | None:
+    """NeMo 2's ``weights/`` when ``location`` is its step directory or that ``weights/`` itself."""
+    parent, base = os.path.split(os.path.normpath(location))
+    for step, weights in ((location, os.path.join(location, "weights")), (parent, location if base == "weights" else "")):
+        if weights and os.path.isdir(os.path.join(step, "context")) and _is_file(weights, METADATA_NAME):
+            return weights
+    return None
+
+
+class Megatron(Trainer):
+    name = "megatron"
+    title = "Megatron-Core torch_dist"
+    metadata_allow = METADATA_ALLOW
+    chosen_unasked = True
+
+    def recognise(self, location: str) -> Found | None:
+        if _is_file(location, TRACKER):
+            return self._from_run(location)
+        weights = _nemo_weights(location)
+        if weights is not None:
+            note = f"{self.title} checkpoint of NeMo 2: reading {weights}, the '{NEMO_PREFIX}' prefix removed from its names"
+            return Found(self.name, weights, NEMO_LAYOUT, (note,), strip_prefix=NEMO_PREFIX)
+        if _is_file(location, METADATA_NAME) and (_is_file(location, BACKEND_FILE) or _is_file(location, COMMON_FILE)):
+            if _is_file(location, BACKEND_FILE):
+                read_backend(location)
+            match = ITERATION_DIR.match(os.path.basename(os.path.normpath(location)))
+            which = f", iteration {int(match.group(1))}" if match else ""
+            return Found(self.name, location, ITERATION_LAYOUT, (f"{self.title} checkpoint{which}: {location}",))
+        if not _is_file(location, METADATA_NAME) and _iterations(location):
+            raise InputError(
+                f"{location}: holds Megatron iteration directories ({', '.join(_iterations(location)[-3:])}) but no {TRACKER}: "
+                "give the iteration directory to read"
+            )
+        return None
+
+    def _from_run(self, run: str) -> Found:
+        name, words = tracked_iteration(run)
+        directory = os.path.join(run, name)
+        if not os.path.isdir(directory):
+            raise InputError(
+                f"{os.path.join(run, TRACKER)}: names {words}, but {directory} is not there (removed?): "
+                f"give an iteration directory of {run} instead"
+            )
+        if not _is_file(directory, METADATA_NAME):
+            legacy = any(entry.startswith("mp_rank_") for entry in os.listdir(directory))
+            raise InputError(
+                f"{directory}: no {METADATA_NAME}: "
+                + (
+                    "a checkpoint in Megatron's legacy 'torch' format (mp_rank_XX/), which mpicons does not read; "
+                    "save with --ckpt-format torch_dist"
+                    if legacy
+                    else "not a torch_dist checkpoint (was the save interrupted?)"
+                )
+            )
+        if _is_file(directory, BACKEND_FILE):
+            read_backend(directory)
+        note = f"{self.title} checkpoint, {words} (named by {TRACKER}): {directory}"
+        return Found(self.name, directory, RUN_LAYOUT, (note,))
+
+    def settle_config(self, found: Found | None, assets: HFAssets | None, model_type: str | None) -> Settled:
+        """The assets' config checked against ``common.pt``'s args, or, without one, derived from them."""
+        config = None if assets is None else assets.config
+        if config is not None and model_type is not None and config.get("model_type") != model_type:
+            raise InputError(f"--model-type {model_type!r}: config.json from --hf-assets says {config.get('model_type')!r}")
+        run = None
+        readable = found is not None and found.layout != NEMO_LAYOUT and _is_file(found.directory, COMMON_FILE)
+        try:
+            run = read_common(found.directory) if readable and found is not None else None
+        except InputError as exc:
+            if config is None:
+                raise
+            return Settled(assets, (f"{exc}; config.json from --hf-assets is not checked against the run's args",))
+        if config is not None:
+            if run is None or run.args is None:
+                return Settled(assets, (f"config.json from --hf-assets, not checked: {_no_args(found)}",))
+            check_config(run.args, run.path, config, os.path.join(assets.directory, "config.json") if assets else "config.json")
+            return Settled(assets, (f"config.json from --hf-assets agrees with the run's args ({run.path})",))
+        return Settled(*self._derived(found, run, model_type))
+
+    def _derived(self, found: Found | None, run: RunFacts | None, model_type: str | None) -> tuple[HFAssets, tuple[str, ...]]:
+        from ...io.assets import HFAssets, render_config
+
+        if found is None or run is None or run.args is None:
+            raise InputError(f"--adapter {self.name} needs the model's config.json ({_no_args(found)}): give --hf-assets DIR")
+        config = derive_config(run.args, run.path, model_type)
+        assets = HFAssets(found.directory, config, None, ("config.json",), (), render_config(config))
+        note = f"config.json derived from the run's args ({run.path}): model_type {config['model_type']}"
+        return assets, (note,)
+
+
+def _no_args(found: Found | None) -> str:
+    """Why there are no run arguments to derive or check a config with."""
+    if found is None:
+        return "the input is not a directory mpicons recognises as Megatron's"
+    if found.layout == NEMO_LAYOUT:
+        return f"a {NEMO_LAYOUT} keeps the model's config in context/, which mpicons does not read"
+    return f"{found.directory} holds no {COMMON_FILE} with the run's args"
+
+
+def _iterations(location: str) -> list[str]:
+    try:
+        return sorted(entry for entry in os.listdir(location) if ITERATION_DIR.match(entry))
+    except OSError:
+        return []
+
+
+MEGATRON = Megatron()
+
+__all__ = ["MEGATRON", "METADATA_ALLOW", "Megatron", "NEMO_PREFIX"]

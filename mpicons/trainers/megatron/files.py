@@ -1,0 +1,131 @@
+"""The files Megatron keeps beside its ``torch_dist`` shards, read only for what they tell (no MPI here).
+
+- ``latest_checkpointed_iteration.txt`` in the run's checkpoint directory: the iteration last saved
+  (``10``) or ``release``; it names the directory ``iter_0000010`` (or ``release``).
+- ``metadata.json`` in the iteration directory: ``{"sharded_backend": "torch_dist", ...}``.
+- ``common.pt``: a ``torch.save`` archive of what is not sharded: ``args`` (an ``argparse.Namespace``),
+  ``iteration``, ``checkpoint_version``, the optimizer's hyper-parameters. Read by the restricted
+  unpickler with :data:`COMMON_ALLOW`: the Namespace is a record of its fields, enums their values.
+
+Every file is opened only as a regular file and read with a bound; none is ever executed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ...core.errors import InputError
+from ...core.torch_archive import read_archive
+from ...core.unpickling import AllowList, Record, shown
+from ...io.regular_files import NotRegular, kind_of, open_regular, read_bounded
+
+TRACKER = "latest_checkpointed_iteration.txt"
+BACKEND_FILE = "metadata.json"
+COMMON_FILE = "common.pt"
+ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
+#: The classes Megatron-Core adds to DCP's ``.metadata``: every rank's save plan (``all_local_plans``,
+#: torch's planner classes; Megatron-Core's own subclass in some versions) and their storage prefixes.
+METADATA_ALLOW = AllowList.of(
+    "Megatron-Core",
+    records=[
+        "torch.distributed.checkpoint.planner.SavePlan",
+        "torch.distributed.checkpoint.planner.WriteItem",
+        "torch.distributed.checkpoint.planner.TensorWriteData",
+        "torch.distributed.checkpoint.filesystem._StoragePrefix",
+        "megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan",
+    ],
+    enums=["torch.distributed.checkpoint.planner.WriteItemType"],
+)
+#: The classes Megatron-LM pickles into ``common.pt`` (its ``args``).
+COMMON_ALLOW = AllowList.of(
+    "Megatron-LM",
+    records=["argparse.Namespace"],
+    enums=["megatron.core.transformer.enums.AttnBackend", "signal.Signals"],
+)
+_SMALL = 1 << 20
+
+
+def read_small(path: str, what: str) -> bytes:
+    """A small file of the checkpoint (at most 1 MiB), opened only as a regular file."""
+    try:
+        fd = open_regular(path, follow_links=True)
+    except NotRegular as exc:
+        raise InputError(f"{path}: {kind_of(exc.mode)}, not {what}") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
+    try:
+        data = read_bounded(fd, _SMALL)
+    finally:
+        os.close(fd)
+    if data is None:
+        raise InputError(f"{path}: larger than {_SMALL >> 20} MiB, not {what}")
+    return data
+
+
+def tracked_iteration(run: str) -> tuple[str, str]:
+    """What the run's tracker file names: the iteration's directory name and the iteration in words."""
+    path = os.path.join(run, TRACKER)
+    text = read_small(path, "Megatron's tracker file").decode("utf-8", "replace").strip()
+    if text == "release":
+        return "release", "the release checkpoint"
+    if not text.isdigit():
+        raise InputError(f"{path}: holds {shown(text)}, neither an iteration number nor 'release' (damaged tracker file?)")
+    return f"iter_{int(text):07d}", f"iteration {int(text)}"
+
+
+def read_backend(directory: str) -> dict[str, Any]:
+    """``metadata.json``: the backend that wrote the shards (only ``torch_dist`` is read)."""
+    path = os.path.join(directory, BACKEND_FILE)
+    try:
+        found = json.loads(read_small(path, "Megatron's metadata.json"))
+    except (ValueError, RecursionError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(found, dict):
+        raise InputError(f"{path}: holds {shown(found)}, not Megatron's backend record")
+    backend = found.get("sharded_backend")
+    if backend != "torch_dist":
+        raise InputError(
+            f"{path}: unsupported: the shards were written by Megatron's {shown(backend)} backend; mpicons reads "
+            "torch_dist (save with --ckpt-format torch_dist, or convert with Megatron's own tools)"
+        )
+    return found
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What ``common.pt`` says of the run."""
+
+    path: str
+    args: dict[str, object] | None
+    iteration: int | None
+
+
+def read_common(directory: str) -> RunFacts:
+    """``common.pt`` of an iteration directory: the run's args and the iteration."""
+    path = os.path.join(directory, COMMON_FILE)
+    value = read_archive(path, COMMON_ALLOW, "Megatron's common.pt")
+    if not isinstance(value, dict):
+        raise InputError(f"{path}: holds {shown(value)}, not Megatron's common state (a dict)")
+    args = value.get("args")
+    fields = args.state if isinstance(args, Record) and args.kind == "argparse.Namespace" else None
+    iteration = value.get("iteration")
+    return RunFacts(path, fields if isinstance(fields, dict) else None, iteration if type(iteration) is int else None)
+
+
+__all__ = [
+    "BACKEND_FILE",
+    "COMMON_ALLOW",
+    "COMMON_FILE",
+    "ITERATION_DIR",
+    "METADATA_ALLOW",
+    "TRACKER",
+    "RunFacts",
+    "read_backend",
+    "read_common",
+    "read_small",
+    "tracked_iteration",
+]
