@@ -258,7 +258,10 @@ def _transforms(text: str | None, where: str) -> tuple[Transform, ...]:
     """A rule's transform chain, checked: ``drop`` stands alone; split_rows and the rotary orders end it."""
     if text is None:
         return ()
-    steps = tuple(_transform(call, where) for call in _calls(text))
+    calls = _calls(text)
+    if not all(calls):
+        raise InputError(f"{where}: {text!r}: a '|' joins two transforms, and one of them is missing")
+    steps = tuple(_transform(call, where) for call in calls)
     kinds = [step.kind for step in steps]
     if len(steps) > 1 and "drop" in kinds:
         raise InputError(f"{where}: drop leaves the tensor out: it takes no other transform")
@@ -313,8 +316,9 @@ def _check_target(rule: Rule, captures: set[str], where: str) -> None:
             raise InputError(f"{where}: target '-' (no Hugging Face name) goes only with drop")
         return
     unbound = rule.unbound
+    fields = {found.group(1) for found in _TARGET_FIELD.finditer(rule.target)}
     for index in unbound:
-        if f"{{{index}}}" not in rule.target:
+        if index not in fields:
             raise InputError(f"{where}: unbind({index}) makes one tensor per index: the target must hold {{{index}}}")
         if index in captures:
             raise InputError(f"{where}: unbind({index}): {{{index}}} is already a capture of the source")
