@@ -38,8 +38,6 @@ TRANSFORMS: dict[str, tuple[str, ...]] = {
     "crop_rows": ("rows",),  # the first rows of dim 0 only (a padded vocabulary)
     "drop": (),  # a model entry the conversion leaves out on purpose (reported)
 }
-#: Transforms that end a chain: their outputs differ in shape (split_rows) or are a view (rotary orders).
-LAST_ONLY = ("split_rows", "rope_to_half", "rope_to_interleaved")
 #: The names of the built-in adapters and the rule files of each, by the config's ``model_type``.
 BUILTIN = {"torchtitan": ("torchtitan-llama.rules", "torchtitan-qwen3.rules", "torchtitan-deepseek-v3.rules")}
 
@@ -55,6 +53,8 @@ _ALLOWED_NODES = (
     ast.Expression, ast.BinOp, ast.Constant, ast.Name, ast.Attribute, ast.Load, ast.Add, ast.Sub, ast.Mult,
     ast.FloorDiv, ast.Tuple, ast.List, ast.UnaryOp, ast.USub,
 )  # fmt: skip
+#: Transforms that end a chain: their outputs differ in shape (split_rows) or are a view (rotary orders).
+LAST_ONLY = ("split_rows", "rope_to_half", "rope_to_interleaved")
 
 
 @dataclass(frozen=True)
