@@ -325,3 +325,13 @@ def test_the_fixtures_names_and_shapes_map_to_expected(fixture: str) -> None:
         expected = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
     assert {o.name: o.storage for o in conversion.outputs} == expected
     assert conversion.dropped == ()
+
+
+def test_the_documented_megatron_rules_are_the_shipped_ones() -> None:
+    """docs/adapter-rules.md's Megatron example: every rule line it shows is a line of a shipped file."""
+    docs = (Path(__file__).parent.parent / "docs" / "adapter-rules.md").read_text()
+    section = docs.split("## The second worked example: Megatron-Core", 1)[1].split("\n## ", 1)[0]
+    shown = [line for block in section.split("```text\n")[1:] for line in block.split("```", 1)[0].splitlines() if line]
+    shipped = {line for model_type in FAMILIES for line in rule_file(model_type).read_text().splitlines()}
+    assert len(shown) > 15
+    assert [line for line in shown if line not in shipped] == []
