@@ -72,13 +72,6 @@ class Step:
     kind: str
     params: tuple[int, ...]
 
-    @property
-    def fan_out(self) -> int:
-        """How many tensors each input tensor of the step becomes."""
-        if self.kind == "unbind":
-            return self.params[0]
-        return len(self.params) - 1 if self.kind == "split_rows" else 1
-
 
 @dataclass(frozen=True)
 class Dropped:
@@ -198,7 +191,7 @@ def _chain(
     shape = storage
     for transform in rule.steps:
         kind = transform.kind
-        shape_text = f"{name!r} (shape {list(shape)}{'' if shape == storage else f' after {steps[-1].kind}'})"
+        shape_text = f"{name!r} (shape {list(shape)}{f' after {steps[-1].kind}' if steps else ''})"
         if not shape:
             raise InputError(f"{where}: {kind} of {shape_text}: a scalar has no dim 0")
         rows, rest = shape[0], shape[1:]
