@@ -29,20 +29,32 @@ def write_sparse_shard(path: Path, tensors: dict[str, tuple[str, list[int], list
     return 8 + len(text)
 
 
+#: The adapters the bound is checked with: none, a rotary row order (640 heads of 64 rows, 4 MiB
+#: each), and a Megatron-style chain (5 stacked layers, each a fused tensor of two 4096-row parts).
+ADAPTERS = {
+    "plain": None,
+    "rotary-adapter": "w  w  rope_to_half(640, 64)\n",
+    "chained-adapter": "w  w.{N}.{a|b}  unbind(N) | split_rows(groups=1, sizes=(4096, 4096))\n",
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("adapter", [False, True], ids=["plain", "rotary-adapter"])
+@pytest.mark.parametrize("adapter", list(ADAPTERS))
 def test_peak_rss_is_bounded_by_the_buffer_on_a_multi_gib_tensor(tmp_path, adapter):
-    """With an adapter's rotary row order (640 heads of 64 rows, 4 MiB each) the bound is the same."""
+    """With an adapter's transforms the bound is the same."""
     rows, cols = 40_960, 32_768  # bf16: 2.5 GiB, cut into two column halves
     half = rows * (cols // 2) * 2
+    layers = 5 if adapter == "chained-adapter" else 0  # saved as [5, 8192, cols]: the same bytes
     shards = tmp_path / "in"
     shards.mkdir()
     starts = []
     for rank in range(2):
+        offsets, shape = [0, rank * cols // 2], [rows, cols // 2]
+        if layers:
+            offsets, shape = [0, *offsets], [layers, rows // layers, cols // 2]
         starts.append(
             write_sparse_shard(
-                shards / f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors",
-                {"w": ("BF16", [0, rank * cols // 2], [rows, cols // 2], half)},
+                shards / f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors", {"w": ("BF16", offsets, shape, half)}
             )
         )
     # Markers: the last element of each piece's last row lands at known output positions.
@@ -54,9 +66,9 @@ def test_peak_rss_is_bounded_by_the_buffer_on_a_multi_gib_tensor(tmp_path, adapt
     out = tmp_path / "out"
     script = Path(__file__).parent / "scripts" / "peak_rss.py"
     extra: list[object] = []
-    if adapter:  # the last row of the tensor stays the last row: the markers keep their places
-        rules = tmp_path / "rope.rules"
-        rules.write_text("w  w  rope_to_half(640, 64)\n")
+    if ADAPTERS[adapter]:  # the last row of the tensor stays the last row: the markers keep their places
+        rules = tmp_path / "adapter.rules"
+        rules.write_text(ADAPTERS[adapter])
         extra = ["--adapter", rules]
     proc = run_python(
         script, "consolidate", shards, out, "--buffer-size", "32M", "--stats-json", tmp_path / "s.json", "-q", *extra,

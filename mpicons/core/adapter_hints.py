@@ -35,7 +35,7 @@ def maps_every_name(rules: RuleSet, names: Iterable[str]) -> bool:
         rule = _source_rule(rules, name)
         if rule is None:
             return False
-        renamed = renamed or (not rule.skip and (rule.target != name or rule.transform.kind != "rename"))
+        renamed = renamed or (not rule.skip and (rule.target != name or rule.kind != "rename"))
     return renamed
 
 

@@ -15,7 +15,8 @@ Lines::
 ``SOURCE`` is a dotted name with captures: ``{N}`` (digits), ``*`` (within one dotted part), ``**``
 (anything). ``TARGET`` uses the captures (``{N}``, ``{N+num_hidden_layers}``) or is ``-`` (no Hugging
 Face name, for ``drop``). ``TRANSFORM`` is one call of a small vocabulary (:data:`TRANSFORMS`) whose
-arguments are integer expressions over the config's fields.
+arguments are integer expressions over the config's fields, or several joined by ``|``, applied left
+to right (``unbind(N) | split_rows(...)``: a stacked layer axis, then a fused tensor of each layer).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ TRANSFORMS: dict[str, tuple[str, ...]] = {
     "rope_to_half": ("heads", "head_dim"),  # rows of each head from interleaved rotary pairs to half-split order
     "rope_to_interleaved": ("heads", "head_dim"),  # the inverse: half-split rows to interleaved pairs
     "split_rows": ("groups", "sizes"),  # a fused tensor cut along dim 0 into parts, group by group
+    "crop_rows": ("rows",),  # the first rows of dim 0 only (a padded vocabulary)
     "drop": ("same_as",),  # a model entry the conversion leaves out on purpose (reported); same_as optional
 }
 #: Arguments that name a saved tensor (a dotted name, not an expression) and may be left out:
@@ -42,12 +44,17 @@ NAME_ARGS = {("drop", "same_as")}
 _CAPTURE = re.compile(r"\{([A-Za-z_]\w*)\}")
 _TARGET_FIELD = re.compile(r"\{([A-Za-z_]\w*)(?:\s*\+\s*([^{}]+))?\}")
 _NAME_PART = re.compile(r"[A-Za-z0-9_\-]+")
-_RULE = re.compile(r"^(?P<source>\S+)\s+(?P<target>\S+)(?:\s+(?P<transform>[a-z_]+(?:\(.*\))?))?(?:\s+if\s+(?P<cond>.+))?$")
+_CALL = r"[a-z_]+(?:\(.*\))?"
+_RULE = re.compile(
+    rf"^(?P<source>\S+)\s+(?P<target>\S+)(?:\s+(?P<transform>{_CALL}(?:\s*\|\s*{_CALL})*))?(?:\s+if\s+(?P<cond>.+))?$"
+)
 _CONDITION = re.compile(r"^(?P<negated>not\s+)?(?P<key>[A-Za-z_][\w.]*)$")
 _ALLOWED_NODES = (
     ast.Expression, ast.BinOp, ast.Constant, ast.Name, ast.Attribute, ast.Load, ast.Add, ast.Sub, ast.Mult,
     ast.FloorDiv, ast.Tuple, ast.List, ast.UnaryOp, ast.USub,
 )  # fmt: skip
+#: Transforms that end a chain: their outputs differ in shape (split_rows) or are a view (rotary orders).
+LAST_ONLY = ("split_rows", "rope_to_half", "rope_to_interleaved")
 
 
 @dataclass(frozen=True)
@@ -74,11 +81,21 @@ class Rule:
     line: int
     source: str
     target: str | None  # None: ``-`` (dropped without a Hugging Face name)
-    transform: Transform
+    steps: tuple[Transform, ...]  # applied left to right; empty: a rename
     pattern: re.Pattern[str]
     condition: str | None = None  # a config key; the rule applies when it is truthy
     negated: bool = False  # ... or, with ``if not``, when it is falsy
     skip: bool = False  # a ``skip`` line: not model state
+
+    @property
+    def kind(self) -> str:
+        """The transform as the report names it: ``rename``, ``drop``, ``unbind | split_rows``, ..."""
+        return " | ".join(step.kind for step in self.steps) or "rename"
+
+    @property
+    def unbound(self) -> tuple[str, ...]:
+        """The target's fields the rule's ``unbind`` steps fill, in order."""
+        return tuple(getattr(s.args["index"], "id", "") for s in self.steps if s.kind == "unbind")
 
     def applies(self, config: Mapping[str, object]) -> bool:
         if self.condition is None:
@@ -238,9 +255,38 @@ def _pattern(source: str, where: str) -> re.Pattern[str]:
     return re.compile("".join(parts))
 
 
-def _transform(text: str | None, where: str) -> Transform:
+def _calls(text: str) -> list[str]:
+    """A chain's calls: ``text`` split at each ``|`` outside parentheses."""
+    calls, depth, start = [], 0, 0
+    for position, char in enumerate(text):
+        depth += (char == "(") - (char == ")")
+        if char == "|" and depth == 0:
+            calls.append(text[start:position].strip())
+            start = position + 1
+    return [*calls, text[start:].strip()]
+
+
+def _transforms(text: str | None, where: str) -> tuple[Transform, ...]:
+    """A rule's transform chain, checked: ``drop`` stands alone; split_rows and the rotary orders end it."""
     if text is None:
-        return Transform()
+        return ()
+    calls = _calls(text)
+    if not all(calls):
+        raise InputError(f"{where}: {text!r}: a '|' joins two transforms, and one of them is missing")
+    steps = tuple(_transform(call, where) for call in calls)
+    kinds = [step.kind for step in steps]
+    if len(steps) > 1 and "drop" in kinds:
+        raise InputError(f"{where}: drop leaves the tensor out: it takes no other transform")
+    for kind in kinds[:-1]:
+        if kind in LAST_ONLY:
+            raise InputError(
+                f"{where}: {kind} must be the last transform of a chain ({' | '.join(kinds)}): "
+                f"unbind and crop_rows come before it"
+            )
+    return steps
+
+
+def _transform(text: str, where: str) -> Transform:
     try:
         call = ast.parse(text, mode="eval").body
     except SyntaxError:
@@ -283,26 +329,27 @@ def _transform(text: str | None, where: str) -> Transform:
 
 
 def _check_target(rule: Rule, captures: set[str], where: str) -> None:
+    kinds = [step.kind for step in rule.steps]
     if rule.target is None:
-        if rule.transform.kind != "drop":
+        if kinds != ["drop"]:
             raise InputError(f"{where}: target '-' (no Hugging Face name) goes only with drop")
         return
-    index = None
-    if rule.transform.kind == "unbind":
-        node = rule.transform.args["index"]
-        assert isinstance(node, ast.Name)
-        index = node.id
-        if f"{{{index}}}" not in rule.target:
+    unbound = rule.unbound
+    fields = {found.group(1) for found in _TARGET_FIELD.finditer(rule.target)}
+    for index in unbound:
+        if index not in fields:
             raise InputError(f"{where}: unbind({index}) makes one tensor per index: the target must hold {{{index}}}")
         if index in captures:
             raise InputError(f"{where}: unbind({index}): {{{index}}} is already a capture of the source")
-    if rule.transform.kind == "split_rows":
+        if unbound.count(index) > 1:
+            raise InputError(f"{where}: unbind({index}) appears twice: each unbind fills its own {{NAME}}")
+    if "split_rows" in kinds:
         alternatives = re.findall(r"\{([^{}]*\|[^{}]*)\}", rule.target)
         if len(alternatives) != 1:
             raise InputError(f"{where}: split_rows names its parts in the target, once, as in {{q|k|v}}")
     for found in _TARGET_FIELD.finditer(rule.target):
         name, offset = found.group(1), found.group(2)
-        if name not in captures and name != index:
+        if name not in captures and name not in unbound:
             raise InputError(f"{where}: target {rule.target!r} uses {{{name}}}, which the source does not capture")
         if offset is not None:
             _expression(offset, where)
@@ -340,7 +387,7 @@ def parse_rules(text: str, origin: str) -> RuleSet:
             if not rest:
                 raise InputError(f"{where}: skip needs at least one pattern")
             for source in rest.split():
-                rules.append(Rule(number, source, None, Transform("skip"), _pattern(source, where), skip=True))
+                rules.append(Rule(number, source, None, (), _pattern(source, where), skip=True))
             continue
         found = _RULE.match(line)
         if found is None:
@@ -354,12 +401,14 @@ def parse_rules(text: str, origin: str) -> RuleSet:
             reads_config = True
         source, target = found.group("source"), found.group("target")
         pattern = _pattern(source, where)
-        transform = _transform(found.group("transform"), where)
-        if transform.kind != "unbind" and any(
-            _names_config(node) for arg, node in transform.args.items() if (transform.kind, arg) not in NAME_ARGS
+        steps = _transforms(found.group("transform"), where)
+        if any(
+            step.kind != "unbind"
+            and any(_names_config(node) for arg, node in step.args.items() if (step.kind, arg) not in NAME_ARGS)
+            for step in steps
         ):
             reads_config = True
-        rule = Rule(number, source, None if target == "-" else target, transform, pattern, condition, negated)
+        rule = Rule(number, source, None if target == "-" else target, steps, pattern, condition, negated)
         _check_target(rule, set(pattern.groupindex), where)
         if any(found.group(2) and _names_config(_expression(found.group(2), where)) for found in _TARGET_FIELD.finditer(target)):
             reads_config = True

@@ -8,6 +8,8 @@ tensor at once:
 
 - ``unbind``: index ``e`` of dim 0 of a piece is the contiguous bytes of expert ``e``; the piece is
   cut per index it crosses and loses dim 0.
+- ``crop_rows``: the rows of dim 0 past the kept ones are cut off the pieces' ends (pieces wholly
+  past them are gone).
 - ``split_rows``: a fused tensor's rows are, group by group, the parts' rows; a piece is cut at every
   (group, part) boundary it crosses, each cut a contiguous run of rows of one part.
 - ``rope_to_half`` / ``rope_to_interleaved``: dim 0 is viewed as (heads, a, b) and the output has the
@@ -15,18 +17,23 @@ tensor at once:
   keeps the view as its storage and the swap as its ``axes``, which the engine follows when it
   places rows (one run per row of ``in_features`` units). Dim 0, the heads, stays dim 0, so the work
   split and coverage checks are unchanged.
+
+A rule's chain (``unbind(N) | unbind(E) | split_rows(...)``) applies these in turn: each step maps a
+piece of an intermediate tensor to pieces of the next ones, numbered ``index · fan-out + k``, so the
+last step's numbers are the outputs' :attr:`Output.index`.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from .adapter_hints import mostly_written_by
-from .adapter_rules import Rule, RuleSet, target_names
+from .adapter_rules import Rule, RuleSet, Transform, target_names
 from .errors import InputError
 from .reports import count_of
 from .table import Pieces
@@ -51,11 +58,20 @@ class Output:
 
     name: str
     source: int  # the saved tensor's id
-    kind: str  # rename, unbind, split_rows, rope_to_half, rope_to_interleaved
+    kind: str  # rename, or the rule's chain: unbind, split_rows, ..., unbind | split_rows
     storage: tuple[int, ...]
     rule: str  # where the rule is: FILE:LINE
-    index: int = 0  # unbind: the index along dim 0; split_rows: the part
+    index: int = 0  # its number among the source's outputs (the chain's indices, row-major)
     view: View | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    """One transform of a chain with its numbers: unbind (rows), crop_rows (kept rows),
+    split_rows (groups, *sizes), rope_to_half / rope_to_interleaved (heads, a, b)."""
+
+    kind: str
+    params: tuple[int, ...]
 
 
 @dataclass(frozen=True)
@@ -80,8 +96,8 @@ class Conversion:
     rules: str  # the rule set's origin
     outputs: tuple[Output, ...]
     dropped: tuple[Dropped, ...] = ()
-    #: The group parameters of each split_rows/rope source: (groups, sizes) or (heads, a, b).
-    params: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
+    #: The steps of each source that is not a rename, with their numbers.
+    steps: Mapping[int, tuple[Step, ...]] = field(default_factory=dict)
     #: Dropped entries found to hold what the model loses (their values read): name → the warning.
     warnings: Mapping[str, str] = field(default_factory=dict)
 
@@ -147,7 +163,7 @@ def plan_conversion(
     outputs: list[Output] = []
     dropped: list[Dropped] = []
     unknown: list[str] = []
-    params: dict[int, tuple[int, ...]] = {}
+    steps: dict[int, tuple[Step, ...]] = {}
     for t, name in enumerate(names):
         found = rules.match(name, config)
         if found is None:
@@ -159,13 +175,15 @@ def plan_conversion(
             dropped.append(Dropped(name, None, where, skipped=True, pattern=rule.source))
             continue
         hf = None if rule.target is None else target_names(rule, captures, config, where)
-        if rule.transform.kind == "drop":
+        if rule.kind == "drop":
             because = f"config.json's {rule.condition} is {'false' if rule.negated else 'true'}" if rule.condition else ""
-            same_as = rule.transform.name_arg("same_as")
+            same_as = rule.steps[0].name_arg("same_as")
             dropped.append(Dropped(name, hf[0] if hf else None, where, same_as=same_as, because=because))
             continue
-        assert hf is not None
-        outputs += _outputs(t, name, tuple(storage[t]), sub_byte[t], rule, hf, config, where, params)
+        chain, shapes, view = _chain(name, tuple(storage[t]), sub_byte[t], rule, config, where)
+        if chain:
+            steps[t] = chain
+        outputs += _outputs(t, rule, captures, chain, shapes, view, config, where)
     if unknown:
         raise InputError(_unknown_message(unknown, rules))
     outputs.sort(key=lambda o: o.name)
@@ -177,55 +195,72 @@ def plan_conversion(
             )
     if not outputs:
         raise InputError(f"adapter {rules.origin}: the rules leave none of the {count_of(len(names), 'saved tensor')}")
-    return Conversion(rules.origin, tuple(outputs), tuple(dropped), params)
+    return Conversion(rules.origin, tuple(outputs), tuple(dropped), steps)
 
 
-def _outputs(
-    t: int,
-    name: str,
-    storage: tuple[int, ...],
-    sub_byte: bool,
-    rule: Rule,
-    hf: list[str],
-    config: Mapping[str, object],
-    where: str,
-    params: dict[int, tuple[int, ...]],
-) -> list[Output]:
-    kind = rule.transform.kind
-    shape_text = f"{name!r} (shape {list(storage)})"
-    if kind == "rename":
-        return [Output(hf[0], t, kind, storage, where)]
-    if not storage:
-        raise InputError(f"{where}: {kind} of {shape_text}: a scalar has no dim 0")
-    rows, rest = storage[0], storage[1:]
-    if sub_byte and not rest:
-        raise InputError(f"{where}: {kind} of {shape_text}: a 1-d sub-byte tensor cannot be cut by elements")
-    if kind == "unbind":
-        if not rest:
-            raise InputError(f"{where}: unbind of {shape_text}: one-dimensional, its entries are not tensors")
-        node = rule.transform.args["index"]
-        index = getattr(node, "id", "")
-        return [Output(hf[0].replace(f"{{{index}}}", str(e)), t, kind, rest, where, index=e) for e in range(rows)]
-    if kind == "split_rows":
-        groups = rule.transform.value("groups", config, where)
-        sizes = rule.transform.value("sizes", config, where)
-        if not isinstance(groups, int) or groups <= 0:
-            raise InputError(f"{where}: split_rows groups={groups!r}: a positive number")
-        if isinstance(sizes, int):
-            sizes = (sizes,)
-        if not sizes or any(s <= 0 for s in sizes):
-            raise InputError(f"{where}: split_rows sizes={list(sizes)}: positive numbers of rows per group")
-        if len(sizes) != len(hf):
-            raise InputError(f"{where}: split_rows has {len(sizes)} sizes for {len(hf)} target names")
-        if groups * sum(sizes) != rows:
-            raise InputError(
-                f"{where}: split_rows of {shape_text}: {groups} groups of {'+'.join(map(str, sizes))} rows is "
-                f"{groups * sum(sizes)} rows, not {rows} (check the config's head counts)"
-            )
-        params[t] = (groups, *sizes)
-        return [Output(n, t, kind, (groups * s, *rest), where, index=k) for k, (n, s) in enumerate(zip(hf, sizes))]
-    heads = rule.transform.value("heads", config, where)
-    head_dim = rule.transform.value("head_dim", config, where)
+def _chain(
+    name: str, storage: tuple[int, ...], sub_byte: bool, rule: Rule, config: Mapping[str, object], where: str
+) -> tuple[tuple[Step, ...], list[tuple[int, ...]], View | None]:
+    """A rule's steps with their numbers for one saved tensor, checked against its shape; the shapes of
+    the last step's outputs (one per part, in storage units) and the view a rotary order leaves."""
+    steps: list[Step] = []
+    shape = storage
+    for transform in rule.steps:
+        kind = transform.kind
+        shape_text = f"{name!r} (shape {list(shape)}{f' after {steps[-1].kind}' if steps else ''})"
+        if not shape:
+            raise InputError(f"{where}: {kind} of {shape_text}: a scalar has no dim 0")
+        rows, rest = shape[0], shape[1:]
+        if sub_byte and not rest:
+            raise InputError(f"{where}: {kind} of {shape_text}: a 1-d sub-byte tensor cannot be cut by elements")
+        if kind == "unbind":
+            if not rest:
+                raise InputError(f"{where}: unbind of {shape_text}: one-dimensional, its entries are not tensors")
+            steps.append(Step(kind, (rows,)))
+            shape = rest
+        elif kind == "crop_rows":
+            kept = transform.value("rows", config, where)
+            if not isinstance(kept, int) or not 0 < kept <= rows:
+                raise InputError(
+                    f"{where}: crop_rows({kept!r}) of {shape_text}: keeps 1 to {rows} rows (check the config's sizes)"
+                )
+            steps.append(Step(kind, (kept,)))
+            shape = (kept, *rest)
+        elif kind == "split_rows":
+            step = _split_step(transform, rows, shape_text, config, where)
+            steps.append(step)
+            return tuple(steps), [(step.params[0] * size, *rest) for size in step.params[1:]], None
+        else:
+            step, coords = _rope_step(transform, shape, shape_text, config, where)
+            steps.append(step)
+            axes = (0, 2, 1, *range(3, len(coords)))
+            return tuple(steps), [coords], View(shape, axes)
+    return tuple(steps), [shape], None
+
+
+def _split_step(transform: Transform, rows: int, shape_text: str, config: Mapping[str, object], where: str) -> Step:
+    groups = transform.value("groups", config, where)
+    sizes = transform.value("sizes", config, where)
+    if not isinstance(groups, int) or groups <= 0:
+        raise InputError(f"{where}: split_rows groups={groups!r}: a positive number")
+    if isinstance(sizes, int):
+        sizes = (sizes,)
+    if not sizes or any(s <= 0 for s in sizes):
+        raise InputError(f"{where}: split_rows sizes={list(sizes)}: positive numbers of rows per group")
+    if groups * sum(sizes) != rows:
+        raise InputError(
+            f"{where}: split_rows of {shape_text}: {groups} groups of {'+'.join(map(str, sizes))} rows is "
+            f"{groups * sum(sizes)} rows, not {rows} (check the config's head counts)"
+        )
+    return Step("split_rows", (groups, *sizes))
+
+
+def _rope_step(
+    transform: Transform, shape: tuple[int, ...], shape_text: str, config: Mapping[str, object], where: str
+) -> tuple[Step, tuple[int, ...]]:
+    kind, rows, rest = transform.kind, shape[0], shape[1:]
+    heads = transform.value("heads", config, where)
+    head_dim = transform.value("head_dim", config, where)
     if not isinstance(heads, int) or not isinstance(head_dim, int) or heads <= 0 or head_dim <= 0 or head_dim % 2:
         raise InputError(f"{where}: {kind} needs positive heads and an even head_dim (got {heads!r}, {head_dim!r})")
     if heads * head_dim != rows:
@@ -234,10 +269,31 @@ def _outputs(
             f"(check num_attention_heads, num_key_value_heads and head_dim in config.json)"
         )
     a, b = (head_dim // 2, 2) if kind == "rope_to_half" else (2, head_dim // 2)
-    params[t] = (heads, a, b)
-    coords = (heads, a, b, *(rest or (1,)))
-    axes = (0, 2, 1, *range(3, len(coords)))
-    return [Output(hf[0], t, kind, coords, where, view=View(storage, axes))]
+    return Step(kind, (heads, a, b)), (heads, a, b, *(rest or (1,)))
+
+
+def _outputs(
+    t: int,
+    rule: Rule,
+    captures: Mapping[str, str],
+    chain: tuple[Step, ...],
+    shapes: list[tuple[int, ...]],
+    view: View | None,
+    config: Mapping[str, object],
+    where: str,
+) -> list[Output]:
+    """One output per combination of the unbind indices and per part, numbered as the pieces will be."""
+    counts = [step.params[0] for step in chain if step.kind == "unbind"]
+    fields = rule.unbound
+    outputs = []
+    for number, indices in enumerate(itertools.product(*(range(c) for c in counts))):
+        filled = {**captures, **{f: str(i) for f, i in zip(fields, indices)}}
+        names = target_names(rule, filled, config, where)
+        if len(names) != len(shapes):
+            raise InputError(f"{where}: split_rows has {len(shapes)} sizes for {len(names)} target names")
+        for part, (hf, shape) in enumerate(zip(names, shapes)):
+            outputs.append(Output(hf, t, rule.kind, shape, where, number * len(shapes) + part, view))
+    return outputs
 
 
 # ---------------------------------------------------------------- pieces in the outputs' coordinates
@@ -249,11 +305,12 @@ def _unit_bytes(pieces: Pieces, bits_of: Callable[[int], int]) -> np.ndarray:
     return np.where(per % 8 == 0, per // 8, 1)
 
 
-def _unbind(p: Pieces, unit: np.ndarray, ids: np.ndarray) -> Pieces:
+def _unbind(p: Pieces, unit: np.ndarray, rows: int) -> Pieces:
+    """Each piece cut per index of dim 0 it holds, less dim 0; intermediate ``i`` becomes ``i·rows + index``."""
     count = p.shape[:, 0]
     rep = np.repeat(np.arange(len(p)), count)
     step = np.arange(int(count.sum())) - np.repeat(np.cumsum(count) - count, count)
-    index = p.offset[rep, 0] + step
+    index = p.tensor[rep].astype(np.int64) * rows + p.offset[rep, 0] + step
     width = p.width
     shape = np.ones((len(rep), width), dtype=np.int64)
     offset = np.zeros((len(rep), width), dtype=np.int64)
@@ -266,10 +323,19 @@ def _unbind(p: Pieces, unit: np.ndarray, ids: np.ndarray) -> Pieces:
     if p.stride is not None:  # a view keeps its strides, less dim 0
         stride = np.ones((len(rep), width), dtype=np.int64)
         stride[:, : width - 1] = strides[:, 1:]
-    return Pieces(ids[index].astype(np.int32), p.file[rep], p.dtype[rep], ndim, shape, offset, begin, p.holder[rep], stride)
+    return Pieces(index, p.file[rep], p.dtype[rep], ndim, shape, offset, begin, p.holder[rep], stride)
 
 
-def _split_rows(p: Pieces, unit: np.ndarray, ids: np.ndarray, groups: int, sizes: Sequence[int]) -> Pieces:
+def _crop_rows(p: Pieces, kept: int) -> Pieces:
+    """The pieces' rows below ``kept`` only: a piece's rows are cut off its end (its start is unchanged)."""
+    p = p.take(np.flatnonzero(p.offset[:, 0] < kept))
+    shape = p.shape.copy()
+    shape[:, 0] = np.minimum(shape[:, 0], kept - p.offset[:, 0])
+    return Pieces(p.tensor, p.file, p.dtype, p.ndim, shape, p.offset, p.begin, p.holder, p.stride)
+
+
+def _split_rows(p: Pieces, unit: np.ndarray, groups: int, sizes: Sequence[int]) -> Pieces:
+    """Each piece cut at the (group, part) boundaries it crosses; intermediate ``i`` becomes ``i·parts + part``."""
     per_group = sum(sizes)
     starts_in_group = np.cumsum([0, *sizes[:-1]])
     parts = len(sizes)
@@ -293,10 +359,11 @@ def _split_rows(p: Pieces, unit: np.ndarray, ids: np.ndarray, groups: int, sizes
     strides = p.strides()[rep]
     begin = p.begin[rep] + (lo - low[rep]) * strides[:, 0] * unit[rep]
     stride = None if p.stride is None else strides
-    return Pieces(ids[part].astype(np.int32), p.file[rep], p.dtype[rep], p.ndim[rep], shape, offset, begin, p.holder[rep], stride)
+    index = p.tensor[rep].astype(np.int64) * parts + part
+    return Pieces(index, p.file[rep], p.dtype[rep], p.ndim[rep], shape, offset, begin, p.holder[rep], stride)
 
 
-def _rope(p: Pieces, unit: np.ndarray, out: int, heads: int, a: int, b: int, width: int) -> Pieces:
+def _rope(p: Pieces, unit: np.ndarray, heads: int, a: int, b: int, width: int) -> Pieces:
     """Row ranges cut into boxes of the (heads, a, b) view of dim 0: at most five per piece."""
     per_head = a * b
     r0, r1 = p.offset[:, 0], p.offset[:, 0] + p.shape[:, 0]
@@ -341,9 +408,7 @@ def _rope(p: Pieces, unit: np.ndarray, out: int, heads: int, a: int, b: int, wid
             stride[:, 0], stride[:, 1], stride[:, 2] = row * a * b, row * b, row
             stride[:, 3 : 3 + inner] = strides[keep, 1 : 1 + inner]
         ndim = (3 + np.maximum(1, p.ndim[keep].astype(np.int64) - 1)).astype(p.ndim.dtype)
-        boxes.append(
-            Pieces(np.full(n, out, np.int32), p.file[keep], p.dtype[keep], ndim, shape, offset, begin, p.holder[keep], stride)
-        )
+        boxes.append(Pieces(p.tensor[keep], p.file[keep], p.dtype[keep], ndim, shape, offset, begin, p.holder[keep], stride))
     return Pieces.concat(boxes, width)
 
 
@@ -361,30 +426,32 @@ def convert_pieces(pieces: Pieces, conversion: Conversion, bits_of: Callable[[in
         by_source.setdefault(o.source, []).append((t, o))
     order = np.argsort(pieces.tensor, kind="stable")
     sorted_tensor = pieces.tensor[order]
-    unit = _unit_bytes(pieces, bits_of)
     result = []
     for source, outs in by_source.items():
         lo, hi = np.searchsorted(sorted_tensor, [source, source + 1])
         if hi == lo:
             continue
-        index = order[lo:hi]
-        p, u = pieces.take(index), unit[index]
-        kind = outs[0][1].kind
-        if kind == "rename":
-            p = p.take(slice(None))
-            p.tensor = np.full(len(p), outs[0][0], dtype=np.int32)
-        elif kind == "unbind":
-            ids = np.array([t for t, _ in sorted(outs, key=lambda x: x[1].index)], dtype=np.int64)
-            p = _unbind(p, u, ids)
-        elif kind == "split_rows":
-            groups, *sizes = conversion.params[source]
-            ids = np.array([t for t, _ in sorted(outs, key=lambda x: x[1].index)], dtype=np.int64)
-            p = _split_rows(p, u, ids, groups, sizes)
-        else:
-            heads, a, b = conversion.params[source]
-            p = _rope(p, u, outs[0][0], heads, a, b, width)
+        p = pieces.take(order[lo:hi])
+        p.tensor = np.zeros(len(p), dtype=np.int64)  # the saved tensor: intermediate 0
+        for step in conversion.steps.get(source, ()):
+            p = _apply(step, p, _unit_bytes(p, bits_of), width)
+        ids = np.empty(len(outs), dtype=np.int32)
+        for t, o in outs:
+            ids[o.index] = t
+        p.tensor = ids[p.tensor]
         result.append(p)
     return Pieces.concat(result, width)
+
+
+def _apply(step: Step, p: Pieces, unit: np.ndarray, width: int) -> Pieces:
+    if step.kind == "unbind":
+        return _unbind(p, unit, step.params[0])
+    if step.kind == "crop_rows":
+        return _crop_rows(p, step.params[0])
+    if step.kind == "split_rows":
+        return _split_rows(p, unit, step.params[0], step.params[1:])
+    heads, a, b = step.params
+    return _rope(p, unit, heads, a, b, width)
 
 
 def converted_declared(conversion: Conversion, width: int) -> np.ndarray:
@@ -415,6 +482,7 @@ def keep_dtype_matches(name: str, patterns: Sequence[str]) -> bool:
 __all__ = [
     "View",
     "Output",
+    "Step",
     "Dropped",
     "Conversion",
     "plan_conversion",
