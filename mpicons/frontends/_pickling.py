@@ -63,6 +63,8 @@ def _dump(value: object, out: list[bytes], memo: dict[Global, int]) -> None:
         out.append(b"\x88" if value else b"\x89")
     elif isinstance(value, int):
         out.append(_int(value))
+    elif isinstance(value, float):
+        out.append(b"G" + struct.pack(">d", value))
     elif isinstance(value, str):
         data = value.encode("utf-8")
         out.append(b"X" + struct.pack("<I", len(data)) + data)

@@ -515,15 +515,16 @@ def _tensor_pickle(dtype: str, shape: tuple[int, ...], stride: tuple[int, ...] |
     )
 
 
-def _archive(data_pkl: bytes, data: bytes | None) -> bytes:
-    """A ``torch.save`` zip archive: stored members under ``archive/``."""
+def _archive(data_pkl: bytes, data: bytes | None, folder: str = "archive") -> bytes:
+    """A ``torch.save`` zip archive: stored members under ``folder/`` (torch.save names it after the
+    file it writes, e.g. ``common/`` for ``common.pt``; DCP's items use ``archive/``)."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
-        archive.writestr("archive/data.pkl", data_pkl)
-        archive.writestr("archive/byteorder", "little")
+        archive.writestr(f"{folder}/data.pkl", data_pkl)
+        archive.writestr(f"{folder}/byteorder", "little")
         if data is not None:
-            archive.writestr("archive/data/0", data)
-        archive.writestr("archive/version", "3\n")
+            archive.writestr(f"{folder}/data/0", data)
+        archive.writestr(f"{folder}/version", "3\n")
     return buffer.getvalue()
 
 
