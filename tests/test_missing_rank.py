@@ -246,6 +246,8 @@ def test_inspect_and_verify_say_what_they_cannot_know(short_edge: Path, tmp_path
     assert check.ok and "global shapes are not recorded in this format; 2 training ranks seen" in check.summary()
     check = mpicons.verify(out, against=short_edge, comm=comm, expect_ranks=3, hf_assets=ASSETS)
     assert not check.ok and {p.kind for p in check.problems} == {"ranks", "model shape"}
+    with pytest.raises(InputError, match="--hf-assets, --expect-ranks: .* only with --against"):
+        mpicons.verify(out, comm=comm, expect_ranks=3, hf_assets=ASSETS)  # an OK would claim checks never made
     assert mpicons.inspect(DISTCP_FIXTURES / "fsdp-3ranks" / "dcp", comm=comm).caveat is None  # .metadata records the shapes
 
 

@@ -23,6 +23,7 @@ from ..comm.agreement import Comm, agree, agree_arguments, agree_on
 from ..core.checkpoint_checks import Diff, FileResult, Listing, Located, VerifyReport, against_checks, cross_check, diff_problems
 from ..core.completeness import caveat, rank_problem
 from ..core.engine import Block, Segment, block_budget, check_saved_views, segment_bytes, segment_offset
+from ..core.errors import InputError
 from ..core.layout import Layout
 from ..core.options import Options
 from ..core.parts import Part
@@ -173,6 +174,7 @@ def verify(
         against=against and (against if is_s3(against) else os.path.abspath(against)),
         options=options, follow_links=follow_links,
     )  # fmt: skip
+    agree(comm, lambda: _refuse_options_without_shards(options, against))
     check_buffer_fits(comm, options.buffer_size)
     listing: Listing = agree_on(comm, 0, lambda: list_output(output_dir, follow_links))
     if listing.sharded:
@@ -194,6 +196,34 @@ def verify(
     names = set(listing.refused) | {r.name for r in results if r.refused}
     report.refused = sorted(os.path.join(output_dir, name) for name in names)
     return report
+
+
+#: Options that say how the shards become the output: meaningless without the shards to compare with.
+_SHARD_OPTIONS = (
+    "dtype",
+    "keep_dtype",
+    "include",
+    "exclude",
+    "strip_prefix",
+    "adapter",
+    "hf_assets",
+    "expect_ranks",
+    "model_type",
+)
+
+
+def _refuse_options_without_shards(options: Options, against: str | None) -> None:
+    """Bad input: an option about the shards given without ``against`` would be ignored, and an OK that
+    ignored ``--expect-ranks`` or ``--hf-assets`` would claim a check that never ran."""
+    if against is not None:
+        return
+    default = Options()
+    given = [name for name in _SHARD_OPTIONS if getattr(options, name) != getattr(default, name)]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise InputError(
+            f"{flags}: about the shards the output was made from, so only with --against SHARD_DIR; add it or drop them"
+        )
 
 
 def _read_files(comm: Comm, output_dir: str, listing: Listing, follow_links: bool) -> tuple[list[str], list[FileResult]]:
