@@ -154,7 +154,9 @@ def _arguments() -> argparse.Namespace:
     )
     parser.add_argument("--no-plans", action="store_true", help="write .metadata without Megatron's all_local_plans")
     parser.add_argument("--plain-only", action="store_true", help="only the plain case (no ratio)")
-    parser.add_argument("--plain-options", default="", help="extra options of the plain run, e.g. to turn off adapter detection")
+    parser.add_argument(
+        "--plain-options", default="--adapter none", help="options of the plain run (default: the saved names and layouts)"
+    )
     parser.add_argument("--sync", action="store_true", help="durable outputs (default --no-sync: the engine's work only)")
     parser.add_argument("--no-check", action="store_true", help="skip checking the outputs' values")
     parser.add_argument("--patience", type=float, default=60.0, help="seconds to wait for an idle machine per run")

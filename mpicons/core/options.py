@@ -125,7 +125,8 @@ class Options:
         "Map a training framework's names and layouts to Hugging Face's: ``torchtitan`` or ``megatron`` (the "
         "built-in rules, chosen by ``config.json``'s ``model_type``) or a path to a rule file (docs/adapter-rules.md). "
         "None: tensors keep their saved names and layouts, unless the input is recognisably a trainer's whose "
-        "adapter is then chosen (a Megatron checkpoint: ``megatron``).",
+        "adapter is then chosen (a Megatron checkpoint: ``megatron``). ``none``: the saved names and layouts, "
+        "whatever the input (a Megatron checkpoint's own tensors).",
     )
     hf_assets: str | os.PathLike[str] | None = _option(
         None,

@@ -315,7 +315,8 @@ def _add_selection_options(cmd: argparse.ArgumentParser) -> None:
         "--adapter",
         metavar="NAME|FILE",
         help="map a trainer's names and layouts to Hugging Face's: 'torchtitan' or 'megatron' (built-in rules, by "
-        "config.json's model_type) or a rule file (docs/adapter-rules.md); a Megatron checkpoint chooses 'megatron'",
+        "config.json's model_type) or a rule file (docs/adapter-rules.md); a Megatron checkpoint chooses 'megatron', "
+        "'none' keeps the saved names",
     )
     cmd.add_argument(
         "--model-type",

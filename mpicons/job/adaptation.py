@@ -34,6 +34,9 @@ from .scan import Scanned, reduce_facts
 if TYPE_CHECKING:
     from ..io.assets import HFAssets
 
+#: ``--adapter none``: the saved names and layouts, even for an input whose trainer would choose its adapter.
+NO_ADAPTER = "none"
+
 #: A rule file larger than this is not a rule file.
 MAX_RULE_FILE = 1 << 20
 
@@ -99,9 +102,10 @@ def _settled(options: Options, found: Found | None, chosen: Trainer | None) -> S
     from ..io.assets import read_assets
 
     assets = None if options.hf_assets is None else read_assets(os.fspath(options.hf_assets))
-    if assets is not None and assets.config is None and (options.adapter is not None or chosen is not None):
+    asked = options.adapter is not None and options.adapter != NO_ADAPTER
+    if assets is not None and assets.config is None and (asked or chosen is not None):
         raise InputError(f"--hf-assets {assets.directory!r}: no config.json (an adapter reads the model's shape from it)")
-    settler = chosen or (TRAINERS[found.trainer] if found is not None and options.adapter is not None else None)
+    settler = chosen or (TRAINERS[found.trainer] if found is not None and asked else None)
     if settler is None:
         if options.model_type is not None:
             raise InputError("--model-type is for a checkpoint whose config mpicons derives (a Megatron run's)")
@@ -117,7 +121,8 @@ def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, own
 
     def read() -> Adapter:
         found = _recognised(input_dir)
-        named = None if options.adapter is None else trainer(options.adapter)
+        off = options.adapter == NO_ADAPTER
+        named = None if options.adapter is None or off else trainer(options.adapter)
         auto = found is not None and options.adapter is None and TRAINERS[found.trainer].chosen_unasked
         chosen = named or (TRAINERS[found.trainer] if auto and found is not None else None)
         notes = [] if found is None else list(found.notes)
@@ -129,7 +134,7 @@ def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, own
         rules = None
         if chosen is not None:
             rules = chosen.choose_rules(settled.config)
-        elif options.adapter is not None:
+        elif options.adapter is not None and not off:
             rules = choose_rules(options.adapter, settled.config, _read_rule_file(options.adapter))
         allow = (
             TRAINERS[found.trainer].metadata_allow if found is not None else (NOTHING if named is None else named.metadata_allow)
