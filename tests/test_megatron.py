@@ -274,3 +274,16 @@ def test_the_adapter_named_gives_the_same_output(serial: Callable[[str, str, str
     mpicons.consolidate(checkpoint(case), tmp_path / "hf", adapter="megatron", comm=SingleProcess(), sync=False)
     assert tree(tmp_path / "hf") == tree(serial(case, "run", "derived").out)
     assert ITERATION in str(iteration_dir(case))
+
+
+def test_adapter_none_keeps_megatron_s_own_tensors(tmp_path: Path) -> None:
+    """``--adapter none``: Megatron's names and layouts as saved (the padded vocabulary too), no adapter chosen."""
+    case = CASES[0]
+    result = mpicons.consolidate(checkpoint(case), tmp_path / "raw", adapter="none", comm=SingleProcess(), sync=False)
+    assert result.adapted == [] and not any("chosen because" in note for note in result.input_notes), result.input_notes
+    raw = load_tensors(tmp_path / "raw" / "model.safetensors")
+    embedding = load_tensors(expected_dir(case) / "model.safetensors")["model.embed_tokens.weight"]
+    dtype, shape, data = raw["embedding.word_embeddings.weight"]
+    assert dtype == embedding[0] and shape[1:] == embedding[1][1:] and shape[0] > embedding[1][0], (shape, embedding[1])
+    assert data[: len(embedding[2])] == embedding[2]  # the vocabulary's rows, then the padding
+    assert any(name.startswith("decoder.layers.") for name in raw) and not any(name.startswith("model.") for name in raw)
