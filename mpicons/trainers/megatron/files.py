@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...core.errors import InputError
-from ...core.torch_archive import read_archive
+from ...core.torch_archive import archive_value
 from ...core.unpickling import AllowList, Record, shown
 from ...io.regular_files import NotRegular, kind_of, open_regular, read_bounded
 
@@ -107,7 +107,7 @@ class RunFacts:
 def read_common(directory: str) -> RunFacts:
     """``common.pt`` of an iteration directory: the run's args and the iteration."""
     path = os.path.join(directory, COMMON_FILE)
-    value = read_archive(path, COMMON_ALLOW, "Megatron's common.pt")
+    value = archive_value(path, COMMON_ALLOW, "Megatron's common.pt")
     if not isinstance(value, dict):
         raise InputError(f"{path}: holds {shown(value)}, not Megatron's common state (a dict)")
     args = value.get("args")
