@@ -234,3 +234,11 @@ def test_transformers_loads_every_output_with_the_engines_logits(tmp_path: Path)
     for report in reports:
         assert (report["missing_keys"], report["unexpected_keys"], report["mismatched_keys"]) == ([], [], [])
         assert report["equal"], report
+
+
+@pytest.mark.parametrize("given", ["checkpoint-2", "checkpoint-2/pytorch_model_fsdp_0"])
+def test_accelerate_fsdp_consolidates_with_its_prefix_removed(given: str, tmp_path: Path) -> None:
+    folder = FIXTURES / "accelerate"
+    result = mpicons.consolidate(folder / given, tmp_path / "out")
+    _assert_written(tmp_path / "out", load_tensors(folder / "expected.safetensors"))
+    assert any("'model.' prefix removed" in note for note in result.input_notes), result.input_notes
