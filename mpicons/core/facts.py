@@ -50,10 +50,14 @@ class TensorFacts:
         return self.dtype_odd is None
 
 
+#: Input formats whose files name no output file (DCP's ``.distcp``, a trainer's ``torch.save`` archives).
+NAMES_NO_OUTPUT = ("distcp", "torch.save")
+
+
 def piece_destinations(files: ShardFiles) -> np.ndarray:
     """Per file, where its pieces go by name: the DCP output index, (plain files) the file itself, or
     (``.distcp`` data files, which name no output) nowhere in particular."""
-    if files.source_format == "distcp":
+    if files.source_format in NAMES_NO_OUTPUT:
         return np.zeros(len(files), dtype=np.int64)
     if (files.out_index >= 0).any():
         return files.out_index.astype(np.int64)

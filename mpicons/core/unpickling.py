@@ -96,28 +96,52 @@ class _Function(Sealed):
 
 
 class Record:
-    """An object of a class the reader allows, as data: the state its pickle gives it (a dict of fields,
-    or a tuple); no code of the class is imported or run. ``kind`` names the class."""
+    """An object of a class the reader allows, as data: the arguments its pickle built it with
+    (``NEWOBJ`` or a call) and the state it set (``BUILD``, once: a dict of fields, a tuple, or
+    ``(dict, slots)`` as ``copyreg`` pickles slotted objects); no code of the class is imported or
+    run. ``kind`` names the class; one subclass per kind, made by :func:`record_class`."""
 
-    __slots__ = ("state",)
+    __slots__ = ("args", "state")
     kind = ""
+    args: tuple[object, ...]
+    state: object
+
+    def __new__(cls, *args: object) -> Record:
+        record = object.__new__(cls)
+        object.__setattr__(record, "args", args)
+        object.__setattr__(record, "state", None)
+        return record
+
+    def __init__(self, *args: object) -> None:
+        """Only ``NEWOBJ`` makes a record (``cls.__new__``): a pickle calling the class is refused."""
+        raise pickle.UnpicklingError(f"the pickle calls {self.kind}")
 
     def __setstate__(self, state: object) -> None:
-        self.state = state
+        if self.state is not None:
+            raise pickle.UnpicklingError(f"the pickle sets state on a {self.kind} twice")
+        object.__setattr__(self, "state", state)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{self.kind} is read-only")
 
     def field(self, name: str, default: object = None) -> object:
-        state = getattr(self, "state", None)
+        """A field of the pickled state (its dict part, else its slots part)."""
+        state = self.state
+        if isinstance(state, tuple) and len(state) == 2:
+            found = state[1].get(name, default) if isinstance(state[1], dict) else default
+            return state[0].get(name, found) if isinstance(state[0], dict) else found
         return state.get(name, default) if isinstance(state, dict) else default
 
     def __repr__(self) -> str:
-        return f"{self.kind} record"
+        return f"{self.kind}({shown(self.args)[1:-1]})" if self.args else f"{self.kind} record"
 
 
 _RECORD_CLASSES: dict[str, type[Record]] = {}
 
 
 def record_class(kind: str) -> type[Record]:
-    """The :class:`Record` class of ``kind`` (one per kind, made on first use)."""
+    """The :class:`Record` class of ``kind`` (one per kind, made on first use, shared: a class a
+    pickle cannot change, since BUILD on it finds ``__setstate__`` unbound and fails)."""
     found = _RECORD_CLASSES.get(kind)
     if found is None:
         found = _RECORD_CLASSES[kind] = type(kind.rpartition(".")[2] or "Record", (Record,), {"__slots__": (), "kind": kind})
@@ -224,8 +248,12 @@ class RestrictedUnpickler(pickle.Unpickler):
         super().__init__(io.BytesIO(data))
         budget = Budget(len(data))
         self._found = {key: _Function(_enum_member(".".join(key)), budget) for key in allow.enums}
-        self._found.update({key: _Function(function, budget) for key, function in self.functions.items()})
-        self._records = {key: record_class(".".join(key)) for key in allow.records}
+        self._found.update({key: _Function(function, budget) for key, function in self.functions_for(allow).items()})
+        self._records = {key: record_class(".".join(key)) for key in allow.records if key not in self._found}
+
+    def functions_for(self, allow: AllowList) -> dict[tuple[str, str], Callable[..., object]]:
+        """The functions the pickle may call: the format's own (a subclass may add some ``allow`` names)."""
+        return self.functions
 
     def find_class(self, module: str, name: str) -> Any:
         key = (module, name)

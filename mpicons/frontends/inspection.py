@@ -37,9 +37,10 @@ from ..core.split import SPLITS
 from ..core.table import ShardFiles
 from ..io.s3 import is_s3
 from ..job.adaptation import convert_scanned, load_adapter
+from ..job.archive_scan import scan_input
 from ..job.consolidation import layout_of, load_mapping, mapping_of
 from ..job.model_check import judge, layout_tensors
-from ..job.scan import distribute, scan, select
+from ..job.scan import distribute, select
 from ..trainers import known_rule_sets
 
 #: Width the table output is laid out for.
@@ -284,7 +285,8 @@ def inspect(
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
     adapter = load_adapter(comm, options, input_dir)
     # Tensors with pieces the scan cannot read are listed as problems, each of them, not raised.
-    scanned = scan(adapter.directory(input_dir), comm, listing=True, endpoint=options.s3_endpoint, allow=adapter.allow)
+    directory = adapter.directory(input_dir)
+    scanned = scan_input(directory, comm, adapter.archives, listing=True, endpoint=options.s3_endpoint, allow=adapter.allow)
     problems = Problems(strict=False)
     ranks_problem = None if options.expect_ranks is None else rank_problem(scanned.files, options.expect_ranks, input_dir)
     if ranks_problem is not None:
@@ -325,7 +327,7 @@ def inspect(
         mapped=mapping is not None,
         skipped=scanned.skipped,
     )
-    report.notes = [*adapter.notes, *report.notes]
+    report.notes = [*adapter.notes, *scanned.notes, *report.notes]
     if scanned.conversion is not None:
         report.adapter = scanned.conversion.rules
         report.mapping_rows = mapping_infos(saved_names, scanned.conversion)

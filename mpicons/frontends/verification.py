@@ -33,10 +33,11 @@ from ..io.hdf5 import HDF5_NAME
 from ..io.s3 import is_s3
 from ..io.sources import SourceFiles
 from ..job.adaptation import convert_scanned, load_adapter
+from ..job.archive_scan import scan_input
 from ..job.consolidation import check_buffer_fits
 from ..job.exchange import feed_blocks
 from ..job.model_check import judge, layout_tensors
-from ..job.scan import Scanned, distribute, open_sources, scan, select
+from ..job.scan import Scanned, distribute, open_sources, select
 from ..trainers import known_rule_sets
 from .output_reading import MAX_INDEX_SIZE, OutputFiles, check_file, list_output, open_regular
 
@@ -251,7 +252,7 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
     """Every tensor of the shards in ``against`` compared with the output; the counts go into ``report``."""
     output_dir, located = checked.output_dir, checked.located
     adapter = load_adapter(comm, options, against)
-    scanned = scan(adapter.directory(against), comm, endpoint=options.s3_endpoint, allow=adapter.allow)
+    scanned = scan_input(adapter.directory(against), comm, adapter.archives, endpoint=options.s3_endpoint, allow=adapter.allow)
     ranks_problem = None if options.expect_ranks is None else rank_problem(scanned.files, options.expect_ranks, against)
     scanned = select(scanned, options.include, options.exclude, adapter.strip_prefix(options))
     if adapter.rules is not None:  # the shards' tensors as the adapter made them

@@ -27,7 +27,7 @@ from ..core.options import Options
 from ..core.unpickling import NOTHING, AllowList
 from ..io.regular_files import NotRegular, kind_of, open_regular, read_bounded
 from ..io.s3 import is_s3
-from ..trainers import TRAINERS, Found, Settled, Trainer, recognise, trainer
+from ..trainers import TRAINERS, ArchiveFormat, Found, Settled, Trainer, recognise, trainer
 from .model_check import ModelConfig, load_model_config
 from .scan import Scanned, reduce_facts
 
@@ -62,6 +62,11 @@ class Adapter:
     def directory(self, input_dir: str) -> str:
         """The directory to scan: the one the trainer found at ``input_dir`` (an iteration's), else ``input_dir``."""
         return input_dir if self.found is None else self.found.directory
+
+    @property
+    def archives(self) -> ArchiveFormat | None:
+        """How the input's per-rank ``torch.save`` archives are read (None: it is DCP or safetensors)."""
+        return None if self.found is None else TRAINERS[self.found.trainer].archives
 
     def strip_prefix(self, options: Options) -> str | None:
         """``--strip-prefix``, else the prefix the trainer's layout gives every name (NeMo's ``module.``)."""
@@ -98,11 +103,16 @@ def _recognised(input_dir: str | None) -> Found | None:
 
 
 def _settled(options: Options, found: Found | None, chosen: Trainer | None) -> Settled:
-    """The assets, and the config as the adapter's trainer (or, under a rule file, the input's) settles it."""
+    """The assets (``--hf-assets``, else those saved with the checkpoint), and the config as the adapter's
+    trainer (or, under a rule file, the input's) settles it."""
     from ..io.assets import read_assets
 
-    assets = None if options.hf_assets is None else read_assets(os.fspath(options.hf_assets))
+    saved = None if found is None or options.hf_assets is not None else found.assets
+    where = os.fspath(options.hf_assets) if options.hf_assets is not None else saved
+    assets = None if where is None else read_assets(where)
     asked = options.adapter is not None and options.adapter != NO_ADAPTER
+    if saved is not None and chosen is None and not asked:
+        return Settled(assets, (f"the model's Hugging Face files (config, tokenizer) from {saved} (--hf-assets for others)",))
     if assets is not None and assets.config is None and (asked or chosen is not None):
         raise InputError(f"--hf-assets {assets.directory!r}: no config.json (an adapter reads the model's shape from it)")
     settler = chosen or (TRAINERS[found.trainer] if found is not None and asked else None)

@@ -17,6 +17,7 @@ from ..core.completeness import rank_problem
 from ..core.convert import prepare_conversion
 from ..core.engine import block_budget, check_saved_views
 from ..core.errors import InputError, MpiconsError
+from ..core.facts import NAMES_NO_OUTPUT
 from ..core.layout import Layout
 from ..core.machine import check_buffer_size, check_names_fit, check_path_fits, host_name
 from ..core.mapping import parse_mapping
@@ -37,13 +38,14 @@ from ..io.s3_output import IN_FLIGHT
 from ..io.sources import SourceFiles
 from ..trainers import known_rule_sets
 from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter, plan_scanned
+from .archive_scan import scan_input
 from .dropped import dropped_warnings
 from .exchange import ExchangeWriter
 from .model_check import ModelConfig, check_model_shapes
 from .progress import Progress
 from .replicas import check_replicas
 from .s3_publish import S3Publish, check_s3_options
-from .scan import Scanned, distribute, open_sources, open_store, rank_directory, scan, select
+from .scan import Scanned, distribute, open_sources, open_store, rank_directory, select
 from .stats import PhaseClock, Stats, reduce_stats
 from .writer import Writer
 
@@ -182,7 +184,8 @@ def scan_inputs(
     select (include, exclude, strip_prefix), converted by the adapter's rules when there are any
     (``input_dir``: the adapter's directory of the input, see :meth:`Adapter.directory`)."""
     allow, prefix = (NOTHING, options.strip_prefix) if adapter is None else (adapter.allow, adapter.strip_prefix(options))
-    scanned = scan(input_dir, comm, endpoint=options.s3_endpoint, store=store, allow=allow)
+    archives = None if adapter is None else adapter.archives
+    scanned = scan_input(input_dir, comm, archives, endpoint=options.s3_endpoint, store=store, allow=allow)
     agree(comm, lambda: check_expected_ranks(scanned, options.expect_ranks))
     scanned = select(scanned, options.include, options.exclude, prefix)
     if adapter is not None and adapter.rules is not None:
@@ -226,7 +229,7 @@ def layout_of(
     :func:`~mpicons.core.upload_parts.align_work`.
     """
     max_shard_size = options.max_shard_size
-    if max_shard_size is None and mapping is None and scanned.files.source_format == "distcp":
+    if max_shard_size is None and mapping is None and scanned.files.source_format in NAMES_NO_OUTPUT:
         max_shard_size = HF_MAX_SHARD_SIZE
     layout = build_layout(
         scanned.files, scanned.names, scanned.facts, ranks, mapping=mapping, split=options.split, dtype=options.dtype,
@@ -331,7 +334,7 @@ def _with_names_report(result: ConsolidateResult, scanned: Scanned, options: Opt
     input; and the assets published."""
     conversion = scanned.conversion
     assets = [] if adapter.assets is None else list(adapter.assets.files)
-    result = replace(result, assets=assets, input_notes=list(adapter.notes))
+    result = replace(result, assets=assets, input_notes=[*adapter.notes, *scanned.notes])
     if conversion is not None:
         return replace(result, adapted=conversion.summary(), warnings=list(conversion.warnings.values()))
     note = None if options.adapter is not None else trainer_names_note(scanned.names, known_rule_sets())

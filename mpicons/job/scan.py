@@ -71,6 +71,8 @@ class Scanned:
     conversion: Conversion | None = None
     #: Where the files are read from (:func:`open_sources`); None: the directory ``directory``.
     inputs: InputStore | None = None
+    #: What the report says of the input beyond its tensors (a trainer's state skipped, tied names).
+    notes: list[str] = field(default_factory=list)
 
     @property
     def shared(self) -> bool:

@@ -1,4 +1,5 @@
-"""The trainers mpicons knows, one leaf each (``torchtitan/``, ``megatron/``): how to recognise a
+"""The trainers mpicons knows, one leaf each (``torchtitan/``, ``megatron/``, ``deepspeed/``, ``verl/``,
+``accelerate/``): how to recognise a
 checkpoint of theirs, the classes their pickles may name, their rule files, where their config and
 iteration live (no MPI here).
 
@@ -13,12 +14,16 @@ from __future__ import annotations
 import functools
 
 from ..core.adapter_rules import RuleSet
-from .base import Found, Settled, Trainer
+from .accelerate import ACCELERATE
+from .base import ArchiveFormat, Found, Settled, Trainer
+from .deepspeed import DEEPSPEED
 from .megatron import MEGATRON
 from .torchtitan import TORCHTITAN
+from .verl import VERL
 
-#: Every trainer, by its ``--adapter`` name, in the order they are asked.
-TRAINERS: dict[str, Trainer] = {trainer.name: trainer for trainer in (TORCHTITAN, MEGATRON)}
+#: Every trainer, by its ``--adapter`` name, in the order they are asked (verl before Megatron: both
+#: name a run's newest step in ``latest_checkpointed_iteration.txt``; verl's names a ``global_step_<N>/actor``).
+TRAINERS: dict[str, Trainer] = {trainer.name: trainer for trainer in (TORCHTITAN, VERL, MEGATRON, DEEPSPEED, ACCELERATE)}
 
 
 def recognise(location: str) -> Found | None:
@@ -42,4 +47,4 @@ def known_rule_sets() -> tuple[tuple[str, RuleSet], ...]:
     return tuple((name, rules) for name, known in TRAINERS.items() for rules in known.rule_sets())
 
 
-__all__ = ["TRAINERS", "Found", "Settled", "Trainer", "known_rule_sets", "recognise", "trainer"]
+__all__ = ["TRAINERS", "ArchiveFormat", "Found", "Settled", "Trainer", "known_rule_sets", "recognise", "trainer"]

@@ -8,13 +8,18 @@ pickles, the config from ``--hf-assets``.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
 from ..core.adapter_rules import RuleSet, parse_rules
+from ..core.byte_sources import ByteSource
 from ..core.errors import InputError
+from ..core.flat_pieces import TrainerLayout
 from ..core.unpickling import NOTHING, AllowList
+from ..io.regular_files import NotRegular, kind_of, open_regular, read_bounded
 
 if TYPE_CHECKING:
     from ..io.assets import HFAssets
@@ -29,6 +34,7 @@ class Found:
     layout: str  # which of the trainer's layouts it is, in words ("iteration directory", ...)
     notes: tuple[str, ...] = ()  # what the report says about it (the iteration chosen, ...)
     strip_prefix: str | None = None  # a prefix every saved name carries (NeMo's ``module.``)
+    assets: str | None = None  # a folder of the model's Hugging Face files saved with it (verl's ``huggingface/``)
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,56 @@ class Settled:
         return None if self.assets is None else self.assets.config
 
 
+class ArchiveFormat:
+    """Checkpoints saved as per-rank ``torch.save`` archives (DeepSpeed ZeRO, verl), as the scan reads
+    them: which files of the directory to read, what each says (a small record every rank receives),
+    and where every element of every tensor lies (pure: the same on every rank)."""
+
+    #: What the checkpoints are called in messages.
+    title = ""
+
+    def wanted(self, names: Sequence[str], directory: str) -> list[str]:
+        """The files of ``names`` (the directory's entries) to read; InputError when they are not a checkpoint."""
+        raise NotImplementedError
+
+    def read(self, source: ByteSource, name: str) -> object:
+        """What file ``name`` says, read through ``source`` (its storages never read)."""
+        raise NotImplementedError
+
+    def layout(self, names: Sequence[str], records: Sequence[object], sizes: Mapping[str, int], directory: str) -> TrainerLayout:
+        """The tensors and their pieces from every file's record; InputError for what does not add up."""
+        raise NotImplementedError
+
+
+#: The largest small file of a checkpoint read (a tracker, a config).
+SMALL_FILE = 1 << 20
+
+
+def read_small(path: str, what: str) -> bytes:
+    """A small file of the checkpoint (at most 1 MiB), opened only as a regular file."""
+    try:
+        fd = open_regular(path, follow_links=True)
+    except NotRegular as exc:
+        raise InputError(f"{path}: {kind_of(exc.mode)}, not {what}") from None
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
+    try:
+        data = read_bounded(fd, SMALL_FILE)
+    finally:
+        os.close(fd)
+    if data is None:
+        raise InputError(f"{path}: larger than {SMALL_FILE >> 20} MiB, not {what}")
+    return data
+
+
+def entries(directory: str) -> list[str]:
+    """The names in ``directory`` (none when it is not a readable directory)."""
+    try:
+        return sorted(os.listdir(directory))
+    except OSError:
+        return []
+
+
 class Trainer:
     """A trainer's leaf: subclasses override what their checkpoints need."""
 
@@ -55,6 +111,8 @@ class Trainer:
     metadata_allow: AllowList = NOTHING
     #: Whether an input it recognises chooses its adapter when ``--adapter`` is not given.
     chosen_unasked = False
+    #: How its per-rank ``torch.save`` archives are read (None: its checkpoints are DCP).
+    archives: ArchiveFormat | None = None
 
     def recognise(self, location: str) -> Found | None:
         """The checkpoint at ``location`` if it is recognisably this trainer's (None: not its own);
@@ -93,4 +151,4 @@ class Trainer:
         )
 
 
-__all__ = ["Found", "Settled", "Trainer"]
+__all__ = ["ArchiveFormat", "Found", "Settled", "Trainer", "entries", "read_small"]

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...core.errors import InputError
-from ...core.torch_archive import read_archive
+from ...core.torch_archive import archive_value
 from ...core.unpickling import AllowList, Record, shown
-from ...io.regular_files import NotRegular, kind_of, open_regular, read_bounded
+from ..base import read_small
 
 TRACKER = "latest_checkpointed_iteration.txt"
 BACKEND_FILE = "metadata.json"
@@ -46,24 +46,6 @@ COMMON_ALLOW = AllowList.of(
     records=["argparse.Namespace"],
     enums=["megatron.core.transformer.enums.AttnBackend", "signal.Signals"],
 )
-_SMALL = 1 << 20
-
-
-def read_small(path: str, what: str) -> bytes:
-    """A small file of the checkpoint (at most 1 MiB), opened only as a regular file."""
-    try:
-        fd = open_regular(path, follow_links=True)
-    except NotRegular as exc:
-        raise InputError(f"{path}: {kind_of(exc.mode)}, not {what}") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
-    try:
-        data = read_bounded(fd, _SMALL)
-    finally:
-        os.close(fd)
-    if data is None:
-        raise InputError(f"{path}: larger than {_SMALL >> 20} MiB, not {what}")
-    return data
 
 
 def tracked_iteration(run: str) -> tuple[str, str]:
@@ -107,7 +89,7 @@ class RunFacts:
 def read_common(directory: str) -> RunFacts:
     """``common.pt`` of an iteration directory: the run's args and the iteration."""
     path = os.path.join(directory, COMMON_FILE)
-    value = read_archive(path, COMMON_ALLOW, "Megatron's common.pt")
+    value = archive_value(path, COMMON_ALLOW, "Megatron's common.pt")
     if not isinstance(value, dict):
         raise InputError(f"{path}: holds {shown(value)}, not Megatron's common state (a dict)")
     args = value.get("args")

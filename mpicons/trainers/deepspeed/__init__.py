@@ -1,0 +1,79 @@
+"""DeepSpeed ZeRO checkpoints (stage 1, 2 and 3): which files a ``global_stepN/`` directory holds
+(:mod:`.files`), what their ``torch.save`` archives say (:mod:`.records`, read without torch or
+DeepSpeed), and where every element of every fp32 master weight lies (:mod:`.layout`, pure).
+The facts are in docs/torch-archive-format.md.
+
+Layouts recognised (the directory the user gives): the run directory holding ``latest`` (the tag it
+names is read), or the tag's directory itself (``global_step2/``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+
+from ...core.byte_sources import ByteSource
+from ...core.errors import InputError
+from ...core.flat_pieces import TrainerLayout
+from ..base import ArchiveFormat, Found, Trainer, entries, read_small
+from .files import _MODEL3, _OPTIM, LATEST, ZeroFiles, detect, latest_tag
+from .layout import zero_layout
+from .records import ZeroModel, ZeroPartition, read_model_states, read_optim_states
+
+RUN_LAYOUT, TAG_LAYOUT = "run directory", "checkpoint directory"
+
+
+def _files(names: Sequence[str], directory: str) -> ZeroFiles:
+    files = detect(names, directory)
+    if files is None:
+        raise InputError(f"{directory}: no DeepSpeed ZeRO checkpoint files (*_optim_states.pt, *_model_states.pt)")
+    return files
+
+
+class ZeroArchives(ArchiveFormat):
+    """The optimizer-state files (fp32 master weights) and model-state files of a ZeRO checkpoint."""
+
+    title = "DeepSpeed ZeRO"
+
+    def wanted(self, names: Sequence[str], directory: str) -> list[str]:
+        files = _files(names, directory)
+        return [*sorted(files.model_states.values()), *sorted(files.optim_states.values())]
+
+    def read(self, source: ByteSource, name: str) -> object:
+        optim = _OPTIM.match(name)
+        if optim:
+            return read_optim_states(source, name, int(optim.group(2)))
+        model = _MODEL3.match(name)
+        return read_model_states(source, name, int(model.group(1)) if model else 0)
+
+    def layout(self, names: Sequence[str], records: Sequence[object], sizes: Mapping[str, int], directory: str) -> TrainerLayout:
+        models = [r for r in records if isinstance(r, ZeroModel)]
+        partitions = [r for r in records if isinstance(r, ZeroPartition)]
+        return zero_layout(_files(names, directory), models, partitions, directory)
+
+
+class DeepSpeed(Trainer):
+    name = "deepspeed"
+    title = "DeepSpeed ZeRO"
+    archives = ZeroArchives()
+
+    def recognise(self, location: str) -> Found | None:
+        names = entries(location)
+        if LATEST in names and os.path.isfile(os.path.join(location, LATEST)) and detect(names, location) is None:
+            latest = os.path.join(location, LATEST)
+            tag = latest_tag(read_small(latest, "DeepSpeed's latest file").decode("utf-8", "replace"), latest)
+            step = os.path.join(location, tag)
+            if not os.path.isdir(step):
+                raise InputError(f"{latest}: names {tag!r}, but {step} is not there (removed?): give a checkpoint directory")
+            if detect(entries(step), step) is None:
+                return None
+            note = f"{self.title} checkpoint {tag} (named by {latest}): {step}"
+            return Found(self.name, step, RUN_LAYOUT, (note,))
+        if detect(names, location) is None:
+            return None
+        return Found(self.name, location, TAG_LAYOUT, (f"{self.title} checkpoint: {location}",))
+
+
+DEEPSPEED = DeepSpeed()
+
+__all__ = ["DEEPSPEED", "DeepSpeed", "ZeroArchives"]
