@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .comm.torch_group import TorchComm
 from .frontends.torch_dropin import (
+    REPLACED,
     MissingOutputDirectory,
     consolidate_safetensors_files,
     consolidate_safetensors_files_on_every_rank,
@@ -26,4 +27,5 @@ __all__ = [
     "uninstall",
     "installed",
     "MissingOutputDirectory",
+    "REPLACED",
 ]
