@@ -18,6 +18,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from helpers import assert_consolidated, index_weight_map, load_tensors, subprocess_env
@@ -293,36 +294,48 @@ def _torch_test_files() -> list[Path]:
 
 
 _SITECUSTOMIZE = """
-import mpicons.torch
-mpicons.torch.install()
+import os
+if os.environ.get("MPICONS_INSTALL") == "1":
+    import mpicons.torch
+    mpicons.torch.install()
 from torch.testing._internal.distributed._tensor import common_dtensor
 _skip = common_dtensor.skip_if_lt_x_gpu
 common_dtensor.skip_if_lt_x_gpu = lambda x, *a, **k: _skip(x, *a, **{**k, "allow_cpu": True})
 """
 
 
+def _passed(path: Path, site: Path, install: bool, report: Path) -> set[str]:
+    """The tests of torch's file ``path`` that pass on CPU/gloo, with mpicons installed or torch's own functions."""
+    env = _without_torchrun(subprocess_env(OMP_NUM_THREADS="1", MPICONS_INSTALL="1" if install else "0"))
+    env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(path), f"--junitxml={report}"],
+        capture_output=True, text=True, timeout=900, env=env, cwd=site,
+    )  # fmt: skip
+    assert report.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    cases = ElementTree.parse(report).getroot().iter("testcase")
+    failed = ("failure", "error", "skipped")
+    return {f"{c.get('classname')}.{c.get('name')}" for c in cases if not any(x.tag in failed for x in c)}
+
+
 @pytest.mark.slow
 def test_pytorchs_own_tests_pass_with_mpicons_installed(group: object, shared_tmp: Path) -> None:
-    """PyTorch's test files, when present (the wheel ships none: then skipped), run on CPU/gloo with both
-    functions replaced (a ``sitecustomize`` installs mpicons in every process the tests start)."""
+    """PyTorch's test files, when present (the wheel ships none: then skipped), on CPU/gloo (``allow_cpu``):
+    every test that passes with torch's functions passes with both replaced by mpicons' (a
+    ``sitecustomize`` installs them in every process the tests start)."""
     files = _torch_test_files()
     if not files:
-        pytest.skip(
-            "PyTorch's consolidation tests are not here: set MPICONS_PYTORCH_TESTS to a checkout's test/distributed/checkpoint"
-        )
+        pytest.skip("PyTorch's consolidation tests are not here: MPICONS_PYTORCH_TESTS names their directory")
 
     def passes() -> None:
         site = shared_tmp / "site"
         site.mkdir()
         (site / "sitecustomize.py").write_text(_SITECUSTOMIZE)
-        env = _without_torchrun(subprocess_env(OMP_NUM_THREADS="1"))
-        env["PYTHONPATH"] = f"{site}{os.pathsep}{env['PYTHONPATH']}"
         for path in files:
-            proc = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", str(path), "-k", "onsolidat"],
-                capture_output=True, text=True, timeout=900, env=env, cwd=shared_tmp,
-            )  # fmt: skip
-            assert proc.returncode in (0, 5), f"{path.name}:\n{proc.stdout[-4000:]}{proc.stderr[-2000:]}"
+            theirs = _passed(path, site, False, shared_tmp / f"{path.stem}-torch.xml")
+            ours = _passed(path, site, True, shared_tmp / f"{path.stem}-mpicons.xml")
+            assert ours, f"{path.name}: no test passed with mpicons installed"
+            assert theirs <= ours, f"{path.name}: pass with torch's functions only: {sorted(theirs - ours)}"
 
     agreed(on_rank_0(passes))
 
