@@ -17,6 +17,7 @@ import errno
 import os
 import sys
 import threading
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -135,6 +136,12 @@ def _everything_in_one_file(input_dir: str) -> dict[str, int]:
     return names
 
 
+def _torch_module() -> types.ModuleType:
+    from torch.distributed.checkpoint import _consolidate_hf_safetensors
+
+    return _consolidate_hf_safetensors
+
+
 class _Switch:
     """What :func:`install` replaced (module, attribute, torch's function), and how many installs are open."""
 
@@ -152,9 +159,7 @@ def _ours() -> dict[str, Callable[..., Any]]:
 
 def _torch_functions() -> dict[str, Callable[..., Any]]:
     """torch's own functions (also while installed: the originals recorded then); torch 2.8 has only the first."""
-    import importlib
-
-    module = importlib.import_module(TORCH_MODULE)
+    module = _torch_module()
     found = {name: vars(module).get(name) for name in REPLACED}
     for holder, name, original in _Switch.replaced:
         if holder is module:
@@ -207,10 +212,7 @@ def uninstall() -> None:
 
 def installed() -> bool:
     """Whether mpicons' functions are in torch's module now."""
-    import importlib
-
-    module = sys.modules.get(TORCH_MODULE) or importlib.import_module(TORCH_MODULE)
-    return vars(module).get(REPLACED[0]) is consolidate_safetensors_files
+    return vars(_torch_module()).get(REPLACED[0]) is consolidate_safetensors_files
 
 
 __all__ = [
