@@ -1,15 +1,17 @@
 #!/usr/bin/env python3
-"""mpicons' drop-in against torch's ``consolidate_safetensors_files_on_every_rank`` in a torchrun job.
+"""mpicons' drop-ins against torch's two consolidation functions, in torchrun jobs.
 
-Interleaved in one run (best of ``--repeat``), each a fresh ``torchrun --standalone`` job of
-``--procs`` processes over gloo on the float-only dense sample (torch's function cannot read the
-sample's integer and bool tensors): the drop-in (durable, as mpicons always is by default), the
-drop-in with ``sync=False``, and torch's function (which does not fsync; its fsync is timed after).
-``cp -r`` of the shards is the floor; ``mpiexec -n PROCS mpicons consolidate`` (the same engine over
-MPI, its ``elapsed``) is the reference. Times are of the calls alone (imports and the group excluded).
+For each process count (``--procs``, default 2 and 4) a checkpoint is saved by torch's own
+``HuggingFaceStorageWriter`` in a torchrun job, then consolidated into each number of output files
+(``--files``; default: 1, fewer than the processes, and twice the processes: torch's worst and best
+cases) by each case, interleaved, each a fresh ``torchrun --standalone`` job over gloo: torch's
+``consolidate_safetensors_files_on_every_rank`` and mpicons' (durable by default, and ``sync=False``),
+then torch's ``consolidate_safetensors_files`` and mpicons' on rank 0 alone while the others wait
+(``num_threads``: ``--threads``). Times are of the calls alone (barrier to barrier, slowest process;
+imports and the group excluded); torch does not fsync, so its fsync is timed after. Peak RSS per process.
 
-    python benchmarks/torch_dropin.py                 # ~2 GB sample, 2 processes, best of 3
-    python benchmarks/torch_dropin.py --size 500MB --repeat 1 --json out.json
+    python benchmarks/torch_dropin.py                          # ~2 GB, 2 and 4 processes, best of 3
+    python benchmarks/torch_dropin.py --size 64MB --procs 2 --repeat 1 --json out.json
 """
 
 from __future__ import annotations
@@ -17,108 +19,125 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Any
 
-from dense import ensure_sample, sample_mapping
-from harness import (
-    BIN,
-    PYTHON,
-    REPO,
-    Context,
-    Quiet,
-    checked,
-    machine,
-    mpirun,
-    parse_size,
-    quiesce,
-    same_tensors,
-    same_tree,
-    warm,
-)
+from harness import BIN, PYTHON, REPO, Context, Quiet, checked, machine, parse_size, quiesce, same_tensors, same_tree, warm
+from safetensors import safe_open
 
 TORCHRUN = str(BIN / "torchrun")
 WORKER = str(Path(__file__).resolve().parent / "workers" / "torchrun_consolidate.py")
-CASES = {"mpicons drop-in": "mpicons", "mpicons drop-in, sync=False": "mpicons-no-sync", "torch": "torch"}
+#: case name → the worker's mode; pairs compared: (torch's, mpicons').
+CASES = {
+    "torch on every rank": "torch",
+    "mpicons on every rank": "mpicons",
+    "mpicons on every rank, sync=False": "mpicons-no-sync",
+    "torch, rank 0 alone": "torch-one",
+    "mpicons, rank 0 alone": "mpicons-one",
+}
+PAIRS = [("torch on every rank", "mpicons on every rank"), ("torch, rank 0 alone", "mpicons, rank 0 alone")]
 
 
 def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", type=parse_size, default=int(2e9), help="tensor bytes of the sample (default 2GB)")
-    parser.add_argument("--procs", type=int, default=2, help="torchrun processes (default 2)")
+    parser.add_argument("--size", type=parse_size, default=int(2e9), help="tensor bytes of the checkpoint (default 2GB)")
+    parser.add_argument("--tensors", type=int, default=48, help="tensors in the checkpoint (default 48)")
+    parser.add_argument("--procs", type=int, nargs="+", default=[2, 4], help="torchrun processes (default 2 4)")
+    parser.add_argument("--files", type=int, nargs="+", help="output file counts (default: 1, procs - 1 if > 1, 2 x procs)")
+    parser.add_argument("--threads", type=int, default=4, help="num_threads of the calls (default 4)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=REPO / "benchmarks" / "work")
     parser.add_argument("--json", type=Path, help="write every number here")
     return parser.parse_args()
 
 
+def _torchrun(ctx: Context, procs: int, args: list[str], what: str) -> float:
+    return checked(ctx.run([TORCHRUN, "--standalone", "--nproc-per-node", str(procs), WORKER, *args]), what).wall
+
+
+def _checkpoint(ctx: Context, workdir: Path, procs: int, size: int, tensors: int) -> Path:
+    """torch's writer saves the checkpoint once per process count (kept between runs of the script)."""
+    path = workdir / f"dropin-torch-{procs}p-{size}-{tensors}"
+    if not (path / ".complete").exists():
+        quiesce(path)
+        _torchrun(ctx, procs, ["save", str(path), str(size), str(tensors)], "torch's save")
+        (path / ".complete").write_text("")
+    return path
+
+
+def _names(checkpoint: Path) -> list[str]:
+    names: set[str] = set()
+    for path in checkpoint.glob("*.safetensors"):
+        with safe_open(str(path), "np") as handle:
+            names.update(handle.keys())
+    return sorted(names, key=lambda n: int(n.split(".")[1]))
+
+
+def _file_counts(procs: int, given: list[int] | None) -> list[int]:
+    return given or sorted({1, max(1, procs - 1), 2 * procs})
+
+
+def _run_case(ctx: Context, procs: int, mode: str, source: Path, output: Path, mapping: Path, threads: int) -> dict[str, Any]:
+    quiesce(output)
+    warm(source)
+    ctx.quiet.wait(mode)
+    result = output.with_suffix(".json")
+    result.unlink(missing_ok=True)
+    wall = _torchrun(ctx, procs, [mode, str(source), str(output), str(mapping), str(result), "--threads", str(threads)], mode)
+    return json.loads(result.read_text()) | {"torchrun_wall_s": wall}
+
+
+def measure(ctx: Context, args: argparse.Namespace, procs: int) -> dict[str, Any]:
+    """Every case at every file count for ``procs`` processes, interleaved; outputs compared."""
+    source = _checkpoint(ctx, args.workdir, procs, args.size, args.tensors)
+    total = warm(source)
+    names = _names(source)
+    numbers: dict[str, Any] = {"procs": procs, "shard_bytes": total, "files": {}}
+    for files in _file_counts(procs, args.files):
+        mapping = args.workdir / f"dropin-mapping-{files}.json"
+        mapping.write_text(json.dumps({name: 1 + i % files for i, name in enumerate(names)}))
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in CASES}
+        outputs = {name: args.workdir / f"dropin-out-{mode}" for name, mode in CASES.items()}
+        for _ in range(args.repeat):
+            for name, mode in CASES.items():
+                runs[name].append(_run_case(ctx, procs, mode, source, outputs[name], mapping, args.threads))
+                print(f"torch_dropin: {procs} procs, {files} files, {name}: {runs[name][-1]['call_s']:.2f} s", flush=True)
+        ours = outputs["mpicons on every rank"]
+        checks = {
+            "same bytes, both mpicons functions": same_tree(ours, outputs["mpicons, rank 0 alone"]),
+            "same bytes, with and without sync": same_tree(ours, outputs["mpicons on every rank, sync=False"]),
+            "torch's tensors": same_tensors(ours, outputs["torch on every rank"]),
+        }
+        numbers["files"][files] = {"runs": runs, "checks": {k: v is None for k, v in checks.items()}}
+        quiesce(*outputs.values())
+    return numbers
+
+
+def _report(all_numbers: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(f"\n{PYTHON}; num_threads={args.threads}; best of {args.repeat}; times of the call alone")
+    print(f"{'procs':>5}{'files':>6}  {'case':<36}{'best s':>8}{'median s':>10}{'RSS per process MB':>22}")
+    for numbers in all_numbers:
+        for files, entry in numbers["files"].items():
+            for name, runs in entry["runs"].items():
+                calls = [r["call_s"] + r["sync_s"] for r in runs]
+                rss = "/".join(f"{m:.0f}" for m in max((r["rss_mb"] for r in runs), key=max))
+                print(f"{numbers['procs']:>5}{files:>6}  {name:<36}{min(calls):>8.2f}{statistics.median(calls):>10.2f}{rss:>22}")
+            for theirs, ours in PAIRS:
+                ratios = [(t["call_s"] + t["sync_s"]) / o["call_s"] for t, o in zip(entry["runs"][theirs], entry["runs"][ours])]
+                print(f"{'':>11}  ratio {theirs} (+ fsync) / mpicons: {statistics.median(ratios):.2f}x (median of runs)")
+            print(f"{'':>11}  checks: {entry['checks']}")
+
+
 def main() -> None:
     args = _arguments()
     args.workdir.mkdir(parents=True, exist_ok=True)
     ctx = Context({**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, str(args.workdir), Quiet(), args.repeat)
-    source = ensure_sample(ctx, args.workdir, args.size, float_only=True)
-    mapping_file = args.workdir / "mapping-float.json"
-    mapping_file.write_text(json.dumps(sample_mapping(args.size, float_only=True)))
-    total = warm(source)
-    mpi_case = f"mpiexec -n {args.procs} mpicons"
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in ["cp -r", mpi_case, *CASES]}
-    outputs = {name: args.workdir / f"dropin-{which}" for name, which in CASES.items()}
-    copy = args.workdir / "dropin-cp"
-    for _ in range(args.repeat):
-        quiesce(copy)  # also lets the previous cases' writeback finish
-        warm(source)
-        ctx.quiet.wait("cp -r")
-        runs["cp -r"].append({"call_s": checked(ctx.run(["cp", "-r", str(source), str(copy)]), "cp -r").wall})
-        quiesce(copy)  # its writeback must not land in the next case's time
-        runs[mpi_case].append(_mpiexec(ctx, source, args.workdir / "dropin-mpiexec", args.procs))
-        for name, which in CASES.items():
-            quiesce(outputs[name])
-            warm(source)
-            ctx.quiet.wait(name)
-            result = args.workdir / "dropin-result.json"
-            result.unlink(missing_ok=True)
-            command = [TORCHRUN, "--standalone", "--nproc-per-node", str(args.procs), WORKER, which]
-            timed = checked(ctx.run([*command, str(source), str(outputs[name]), str(mapping_file), str(result)]), name)
-            runs[name].append(json.loads(result.read_text()) | {"torchrun_wall_s": timed.wall})
-            print(f"torch_dropin: {name}: call {runs[name][-1]['call_s']:.2f} s")
-    identical = same_tree(outputs["mpicons drop-in"], outputs["mpicons drop-in, sync=False"])
-    agrees = same_tensors(outputs["mpicons drop-in"], outputs["torch"])
-    quiesce(copy)
-    _report(runs, total, args, identical, agrees)
+    all_numbers = [measure(ctx, args, procs) for procs in args.procs]
+    _report(all_numbers, args)
     if args.json:
-        numbers = {"machine": machine(), "size": args.size, "procs": args.procs, "runs": runs}
-        numbers |= {"identical": identical is None, "same_tensors": agrees is None, "busy_runs": ctx.quiet.busy_runs}
-        args.json.write_text(json.dumps(numbers, indent=1))
-
-
-def _mpiexec(ctx: Context, source: Path, target: Path, procs: int) -> dict[str, Any]:
-    """The same consolidation as an MPI job (its own ``elapsed``, imports excluded)."""
-    quiesce(target)
-    warm(source)
-    ctx.quiet.wait("mpiexec")
-    stats_file = target.with_suffix(".json")
-    command = [PYTHON, "-m", "mpicons", "consolidate", str(source), str(target), "-q", "--stats-json", str(stats_file)]
-    checked(ctx.run(mpirun(procs, command)), "mpiexec mpicons")
-    stats = json.loads(stats_file.read_text())
-    quiesce(target)
-    return {"call_s": stats["elapsed"]["max"], "peak_rss_mb": stats["peak_rss_mb"]["max"]}
-
-
-def _report(runs: dict[str, list[dict[str, Any]]], total: int, args: argparse.Namespace, identical: Any, agrees: Any) -> None:
-    best = {name: min(r["call_s"] for r in rs) for name, rs in runs.items()}
-    torch_durable = min(r["call_s"] + r["sync_s"] for r in runs["torch"])
-    print(f"{total / 1e9:.2f} GB of shards, {args.procs} torchrun processes (gloo), best of {args.repeat}; {PYTHON}")
-    print(f"{'case':<32}{'call s':>8}{'x cp -r':>9}{'RSS/proc MB':>13}{'mpi4py.MPI':>12}")
-    for name, seconds in best.items():
-        rss = max((r.get("peak_rss_mb", 0.0) for r in runs[name]), default=0.0)
-        mpi = str(any(r["mpi_imported"] for r in runs[name])) if name in CASES else ""
-        print(f"{name:<32}{seconds:>8.2f}{seconds / best['cp -r']:>9.2f}{rss:>13.0f}{mpi:>12}")
-    print(f"torch + fsync of its outputs: {torch_durable:.2f} s")
-    print(
-        f"torch / drop-in: {best['torch'] / best['mpicons drop-in, sync=False']:.2f}x without fsync on either side, "
-        f"{torch_durable / best['mpicons drop-in']:.2f}x both durable"
-    )
-    print(f"drop-in outputs byte-identical with and without sync: {identical is None}; torch's tensors equal: {agrees is None}")
+        document = {"machine": machine(), "size": args.size, "threads": args.threads, "results": all_numbers}
+        args.json.write_text(json.dumps(document | {"busy_runs": ctx.quiet.busy_runs}, indent=1))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     """Without ``--only-torch`` the torch.distributed tests are not even imported (torch is heavy)."""
-    if collection_path.name == "test_torch.py" and not config.getoption("--only-torch"):
+    if collection_path.name in ("test_torch.py", "test_torch_dropin.py") and not config.getoption("--only-torch"):
         return True
     return None
 

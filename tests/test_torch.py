@@ -145,16 +145,18 @@ def test_the_drop_in_writes_a_torchtitan_checkpoint_into_the_parent(group: objec
     agreed(on_rank_0(lambda: assert_consolidated(checkpoint, expected, index_weight_map(mapping))))
 
 
-def test_the_drop_in_refuses_an_output_inside_the_input(group: object, shared_tmp: Path) -> None:
-    """``CHECKPOINT/sharded`` → ``CHECKPOINT/sharded/hf``: bad input on every member, nothing made below the shards."""
+def test_the_drop_in_refuses_the_input_as_output(group: object, shared_tmp: Path) -> None:
+    """``CHECKPOINT/sharded`` → ``CHECKPOINT/sharded``: bad input on every member, nothing made among the shards
+    (a directory inside the input is allowed, as torch's own tests use one)."""
     checkpoint = shared_tmp / "inside"
     if dist.get_rank() == 0:
         shutil.copytree(FIXTURES / "fsdp2-3ranks" / "sharded", checkpoint / "sharded")
     dist.barrier()
     _, mapping = fixture_expected("fsdp2-3ranks")
-    with pytest.raises(InputError, match="output directory is inside the input directory"):
-        consolidate_safetensors_files_on_every_rank(str(checkpoint / "sharded"), str(checkpoint / "sharded" / "hf"), mapping)
-    agreed(lambda: None if not (checkpoint / "sharded" / "hf").exists() else pytest.fail("hf was made"))
+    with pytest.raises(InputError, match="output directory is the input directory"):
+        consolidate_safetensors_files_on_every_rank(str(checkpoint / "sharded"), str(checkpoint / "sharded"), mapping)
+    names, saved = (sorted(p.name for p in d.iterdir()) for d in (checkpoint / "sharded", FIXTURES / "fsdp2-3ranks" / "sharded"))
+    agreed(lambda: None if names == saved else pytest.fail(f"the input now holds {names}"))
 
 
 def test_the_drop_in_without_a_process_group_runs_in_one_process(group: object, shared_tmp: Path) -> None:
@@ -171,6 +173,7 @@ def test_the_drop_in_without_a_process_group_runs_in_one_process(group: object, 
         )
         expected, mapping = fixture_expected("fsdp2-3ranks")
         source = str(FIXTURES / "fsdp2-3ranks" / "sharded")
+        out.mkdir()
         proc = subprocess.run(
             [sys.executable, "-c", code, source, str(out), json.dumps(mapping)], capture_output=True, text=True, timeout=120
         )
@@ -187,10 +190,11 @@ def test_the_drop_in_holds_the_tensors_torch_makes(group: object, shared_tmp: Pa
     fixture = "fsdp2-3ranks"
     expected, mapping = fixture_expected(fixture)
     ours, theirs = shared_tmp / "ours", shared_tmp / "theirs"
-    consolidate_safetensors_files_on_every_rank(str(FIXTURES / fixture / "sharded"), str(ours), mapping)
     if dist.get_rank() == 0:
+        ours.mkdir()
         theirs.mkdir()
     dist.barrier()
+    consolidate_safetensors_files_on_every_rank(str(FIXTURES / fixture / "sharded"), str(ours), mapping)
     reference.consolidate_safetensors_files_on_every_rank(str(FIXTURES / fixture / "sharded"), str(theirs), mapping)
 
     def same() -> None:

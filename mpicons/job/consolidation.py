@@ -103,9 +103,9 @@ def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict
     return parse_mapping(obj, path)
 
 
-def check_machine(comm: Comm, input_dir: str, output_dir: str, buffer_size: int) -> None:
-    """Before anything is created: the output is no rank's input directory nor inside one, and the buffers
-    fit in memory.
+def check_machine(comm: Comm, input_dir: str, output_dir: str, buffer_size: int, inside_input: bool = False) -> None:
+    """Before anything is created: the output is no rank's input directory nor inside one (``inside_input``:
+    it may be inside one), and the buffers fit in memory.
 
     Each rank compares the output directory and every directory above it, as it sees them, with the
     input directory of every rank on the same host (``{rank}`` resolved), so no file can be written
@@ -116,15 +116,17 @@ def check_machine(comm: Comm, input_dir: str, output_dir: str, buffer_size: int)
     def check() -> None:
         host = seen[comm.rank][0]
         here = {rank: identity for rank, (other, identity) in enumerate(seen) if other == host}
-        refuse_output_in_inputs(output_dir, input_dir, here)
+        refuse_output_in_inputs(output_dir, input_dir, here, inside_input)
         check_buffer_size(buffer_size, sum(1 for other_host, _ in seen if other_host == host))
 
     agree(comm, check)
 
 
-def refuse_output_in_inputs(output_dir: str, input_dir: str, inputs: dict[int, tuple[int, int] | None]) -> None:
-    """Bad input when ``output_dir`` (or a directory above it) is one of ``inputs``: rank → the identity of
-    its input directory, for the ranks on this host."""
+def refuse_output_in_inputs(
+    output_dir: str, input_dir: str, inputs: dict[int, tuple[int, int] | None], inside_input: bool = False
+) -> None:
+    """Bad input when ``output_dir`` (or, unless ``inside_input``, a directory above it) is one of ``inputs``:
+    rank → the identity of its input directory, for the ranks on this host."""
     for path, identity in identities_up(output_dir):
         rank = next((r for r, other in inputs.items() if other == identity), None)
         if rank is None:
@@ -132,6 +134,8 @@ def refuse_output_in_inputs(output_dir: str, input_dir: str, inputs: dict[int, t
         whose = f" (rank {rank}'s {rank_directory(input_dir, rank)})" if "{rank}" in input_dir else ""
         if path == os.path.realpath(output_dir):
             raise InputError(f"{output_dir}: output directory is the input directory{whose}")
+        if inside_input:
+            continue
         raise InputError(
             f"{output_dir}: output directory is inside the input directory {path}{whose}: mpicons never writes among "
             f"or below the shards it reads; give a directory outside it (its parent, {os.path.dirname(path)}, may be the output)"
@@ -267,6 +271,7 @@ def consolidate(
     options: Options | None = None,
     *,
     comm: object | None = None,
+    inside_input: bool = False,
     **changes: Any,
 ) -> ConsolidateResult:
     """Consolidate the sharded checkpoint in ``input_dir`` into a Hugging Face checkpoint in ``output_dir``.
@@ -281,6 +286,9 @@ def consolidate(
             ``buffer_size=...``, any field of it) change single fields.
         comm: the communicator (default ``MPI.COMM_WORLD``). Collective: every rank of it calls this
             with the same arguments; other ranks of the job are untouched.
+        inside_input: allow an output directory inside (never at) the input directory, as torch's
+            consolidators do (its tests write to ``INPUT/consolidated``): the input is read without
+            descending into directories, so no output file is ever read as a shard.
 
     The output directory is locked for the run; new files are written in a private staging
     directory and published as one transaction, so the directory holds either what it held before
@@ -292,7 +300,9 @@ def consolidate(
     options = (options or Options()).with_changes(**changes)
     input_dir, output_dir = os.fspath(input_dir), os.fspath(output_dir)
     agreed = options.with_changes(io_threads=0)  # background threads are each rank's own affair
-    agree_arguments(comm, "consolidate", input=_absolute(input_dir), output=_absolute(output_dir), options=agreed)
+    agree_arguments(
+        comm, "consolidate", input=_absolute(input_dir), output=_absolute(output_dir), options=agreed, inside_input=inside_input
+    )
     check_options(comm, options)
     prepare_conversion(options.dtype)  # before the clock starts: an import is no writing
     if is_s3(output_dir):
@@ -302,7 +312,7 @@ def consolidate(
     held: list[OutputDir] = []  # the owner's hold on the output directory
     try:
         with clock("scan"):
-            mapping, notes, scanned, adapter = _scan_phase(comm, input_dir, output_dir, options, owner, held)
+            mapping, notes, scanned, adapter = _scan_phase(comm, input_dir, output_dir, options, owner, held, inside_input)
             mapping = mapping_of(options, mapping, scanned, adapter)
             check_output_names(comm, owner, output_dir, mapped_names(mapping))
         with clock("plan"):
@@ -409,7 +419,7 @@ def _refuse_the_input_as_output(input_dir: str, url: str) -> None:
 
 
 def _scan_phase(
-    comm: Comm, input_dir: str, output_dir: str, options: Options, owner: int, held: list[OutputDir]
+    comm: Comm, input_dir: str, output_dir: str, options: Options, owner: int, held: list[OutputDir], inside_input: bool
 ) -> tuple[dict[str, str] | None, list[str], Scanned, Adapter]:
     """Everything before the plan: the mapping, adapter rules and assets read, names and machine checked,
     the output directory held by ``owner`` (appended to ``held``, so the caller releases it), the inputs
@@ -423,7 +433,7 @@ def _scan_phase(
     adapter = load_adapter(comm, options, input_dir)
     input_dir = adapter.directory(input_dir)  # a trainer's run directory: the iteration's
     check_output_names(comm, owner, output_dir, mapped_names(mapping))
-    check_machine(comm, input_dir, output_dir, options.buffer_size)
+    check_machine(comm, input_dir, output_dir, options.buffer_size, inside_input)
     store = open_store(comm, input_dir, options.s3_endpoint)  # an s3:// input's access checked before anything is made
     notes = agree_on(comm, owner, open_output_dir)
     if comm.rank == 0:
