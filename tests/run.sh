@@ -88,7 +88,7 @@ for procs in "${torch_sizes[@]}"; do
   echo "== torch.distributed tests at $procs process(es)"
   status=0
   # Every process's output goes to a log file: rank 0's is shown, the others' only on failure.
-  OMP_NUM_THREADS=1 timeout 600 .venv/bin/torchrun --standalone --nproc-per-node "$procs" --log-dir "$logs/torch-logs-$procs" \
+  OMP_NUM_THREADS=1 timeout 900 .venv/bin/torchrun --standalone --nproc-per-node "$procs" --log-dir "$logs/torch-logs-$procs" \
     --redirects 3 -m pytest -q -x -p no:cacheprovider --only-torch -m torch_dist "$@" tests/test_torch.py tests/test_torch_dropin.py \
     >"$logs/torchrun-$procs" 2>&1 || status=$?
   find "$logs/torch-logs-$procs" -path '*/0/stdout.log' -exec cat {} + | tee "$logs/torch-$procs"
