@@ -7,6 +7,7 @@ that fails the fast checks is parsed again entry by entry, to say exactly what i
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -273,7 +274,13 @@ def read_file(source: ByteSource | str, file_name: str) -> _Parsed:
     with opened(source) as readable:
         raw, size = _read_raw(readable)
         path = readable.name
-    parsed = _fast(raw, size, named is not None)
+    collecting = gc.isenabled()
+    gc.disable()  # a header is ~10^5 acyclic dicts and lists: the cyclic collector's passes over them are waste
+    try:
+        parsed = _fast(raw, size, named is not None)
+    finally:
+        if collecting:
+            gc.enable()
     return parsed if parsed is not None else _strict(path, raw, size, named is not None)
 
 
