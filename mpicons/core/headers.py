@@ -7,6 +7,7 @@ that fails the fast checks is parsed again entry by entry, to say exactly what i
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -27,6 +28,14 @@ SHARDING_KEY = "DCP_SHARDING_INFO"
 INPUT_SUFFIXES = (".safetensors", DATA_SUFFIX)
 #: ``-0`` in a list: an integer to Python, refused by the reference reader's unsigned fields.
 _MINUS_ZERO = re.compile(rb"[\[,][ \t\n\r]*-0")
+
+try:  # orjson, when installed, decodes headers about 1.5x faster; it accepts a subset of what json does
+    from orjson import loads as _fast_loads
+except ImportError:  # pragma: no cover - depends on the environment
+
+    def _fast_loads(raw: bytes | str) -> object:
+        """UTF-8 only: other encodings json would guess from the bytes go to the strict path."""
+        return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
 
 
 @dataclass
@@ -92,7 +101,7 @@ class _Entries:
 def _fast_entries(raw: bytes, dcp_name: bool) -> _Entries | None:
     """The entries of a header that holds nothing unusual, or None (the strict path then says what).
 
-    One ``json.loads`` per header (and one for DCP_SHARDING_INFO), then list comprehensions;
+    One decode per header (and one for DCP_SHARDING_INFO), then list comprehensions;
     types are checked with ``set(map(type, ...))`` so a bool or float never passes for an int.
     """
     # What Python's json module accepts beyond JSON and the format (a byte-order mark or other
@@ -100,7 +109,7 @@ def _fast_entries(raw: bytes, dcp_name: bool) -> _Entries | None:
     if raw[:1] != b"{" or b"\\u" in raw or (b"-0" in raw and _MINUS_ZERO.search(raw)):  # the substring test is C-fast
         return None
     try:
-        obj = json.loads(raw.decode("utf-8"))
+        obj = _fast_loads(raw)
         if type(obj) is not dict:
             return None
         commas, strings = max(len(obj) - 1, 0), "".join(obj)
@@ -125,7 +134,7 @@ def _fast_entries(raw: bytes, dcp_name: bool) -> _Entries | None:
                 return None
             offsets = None
         else:
-            info = json.loads(info_text)
+            info = _fast_loads(info_text)
             if type(info) is not dict or len(info) != len(names):
                 return None
             offsets = [info[n]["saved_offsets"] for n in names]
@@ -273,7 +282,13 @@ def read_file(source: ByteSource | str, file_name: str) -> _Parsed:
     with opened(source) as readable:
         raw, size = _read_raw(readable)
         path = readable.name
-    parsed = _fast(raw, size, named is not None)
+    collecting = gc.isenabled()
+    gc.disable()  # a header is ~10^5 acyclic dicts and lists: the cyclic collector's passes over them are waste
+    try:
+        parsed = _fast(raw, size, named is not None)
+    finally:
+        if collecting:
+            gc.enable()
     return parsed if parsed is not None else _strict(path, raw, size, named is not None)
 
 
