@@ -11,6 +11,7 @@ from helpers import SPEC_DTYPE, reference_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from mpicons.core import headers
 from mpicons.core.errors import InputError
 from mpicons.core.format import DTYPE_BY_NAME, DTYPES, build_header, nbytes_of, parse_header, read_header, reference_order
 
@@ -330,13 +331,23 @@ SHAPES = {
 }
 
 
+@pytest.fixture(params=["installed", "json"])
+def decoder(request, monkeypatch):
+    """The header decoder: orjson where it is installed (else json), and json's fallback alike."""
+    if request.param == "json":
+        monkeypatch.setattr(
+            headers, "_fast_loads", lambda raw: json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+        )
+    return request.param
+
+
 @pytest.mark.parametrize("case", list(CRAFTED))
-def test_a_header_is_accepted_exactly_when_the_reference_reader_accepts_it(tmp_path, case):
+def test_a_header_is_accepted_exactly_when_the_reference_reader_accepts_it(tmp_path, case, decoder):
     _agrees(tmp_path, CRAFTED[case], b"\0" * 4)
 
 
 @pytest.mark.parametrize("case", list(SHAPES))
-def test_shapes_overflow_where_the_reference_reader_overflows(tmp_path, case):
+def test_shapes_overflow_where_the_reference_reader_overflows(tmp_path, case, decoder):
     _agrees(tmp_path, SHAPES[case], b"\0\0" if case == "half a byte of F4" else b"")
 
 
