@@ -1,12 +1,14 @@
 """The built-in sample checkpoints (the documented import path ``mpicons.sample``).
 
-They live in :mod:`mpicons.frontends.sample` and :mod:`mpicons.frontends.sample_megatron`; this
+They live in :mod:`mpicons.frontends.sample`, :mod:`mpicons.frontends.sample_megatron` and
+:mod:`mpicons.frontends.sample_deepspeed`; this
 module names their public functions where users import them from.
 """
 
 from __future__ import annotations
 
 from .frontends.sample import SampleConfig, check_sample, expected_mapping, full_tensor, tensor_specs, write_sample
+from .frontends.sample_deepspeed import ZeroSampleConfig, write_zero_plain, write_zero_sample, zero_expected_hf
 from .frontends.sample_megatron import (
     MegatronSampleConfig,
     megatron_expected_hf,
@@ -18,6 +20,7 @@ from .frontends.sample_megatron import (
 __all__ = [
     "MegatronSampleConfig",
     "SampleConfig",
+    "ZeroSampleConfig",
     "check_sample",
     "expected_mapping",
     "full_tensor",
@@ -27,4 +30,7 @@ __all__ = [
     "tensor_specs",
     "write_megatron_sample",
     "write_sample",
+    "write_zero_plain",
+    "write_zero_sample",
+    "zero_expected_hf",
 ]
