@@ -226,7 +226,7 @@ def test_a_plain_consolidation_keeps_megatrons_names_and_layouts(tmp_path: Path)
     """What the benchmark's plain half writes (``plans=False``: readable before Megatron's metadata is)."""
     config = MegatronSampleConfig(plans=False)
     iteration_dir = write_megatron_sample(tmp_path / "run", config)
-    mpicons.consolidate(iteration_dir, tmp_path / "out", comm=SingleProcess(), sync=False)
+    mpicons.consolidate(iteration_dir, tmp_path / "out", adapter="none", comm=SingleProcess(), sync=False)
     out = load_file(tmp_path / "out" / "model.safetensors")
     keys = set()
     for key, layer, value in megatron_values(config):

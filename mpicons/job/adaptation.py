@@ -27,7 +27,7 @@ from ..core.options import Options
 from ..core.unpickling import NOTHING, AllowList
 from ..io.regular_files import NotRegular, kind_of, open_regular, read_bounded
 from ..io.s3 import is_s3
-from ..trainers import TRAINERS, ArchiveFormat, Found, Settled, Trainer, recognise, trainer
+from ..trainers import TRAINERS, ArchiveFormat, Found, Settled, Trainer, adapter_names, recognise, trainer
 from .model_check import ModelConfig, load_model_config
 from .scan import Scanned, reduce_facts
 
@@ -78,7 +78,7 @@ def _read_rule_file(path: str) -> str:
     try:
         fd = open_regular(path, follow_links=True)
     except FileNotFoundError:
-        raise InputError(f"--adapter {path!r}: no such file (built-in adapters: {', '.join(TRAINERS)})") from None
+        raise InputError(f"--adapter {path!r}: no such file (built-in adapters: {', '.join(adapter_names())})") from None
     except NotRegular as exc:
         raise InputError(f"--adapter {path!r}: {kind_of(exc.mode)}, not a rule file") from None
     except OSError as exc:

@@ -37,7 +37,13 @@ def recognise(location: str) -> Found | None:
 
 def trainer(name: str) -> Trainer | None:
     """The trainer of a built-in ``--adapter`` name (None: not one, a rule file's path)."""
-    return TRAINERS.get(name)
+    found = TRAINERS.get(name)
+    return found if found is not None and found.has_rules() else None
+
+
+def adapter_names() -> list[str]:
+    """The built-in ``--adapter`` names: the trainers that have rule files."""
+    return [name for name, known in TRAINERS.items() if known.has_rules()]
 
 
 @functools.cache
@@ -47,4 +53,4 @@ def known_rule_sets() -> tuple[tuple[str, RuleSet], ...]:
     return tuple((name, rules) for name, known in TRAINERS.items() for rules in known.rule_sets())
 
 
-__all__ = ["TRAINERS", "ArchiveFormat", "Found", "Settled", "Trainer", "known_rule_sets", "recognise", "trainer"]
+__all__ = ["TRAINERS", "ArchiveFormat", "Found", "Settled", "Trainer", "adapter_names", "known_rule_sets", "recognise", "trainer"]

@@ -127,6 +127,12 @@ class Trainer:
             )
         return Settled(assets)
 
+    def has_rules(self) -> bool:
+        """Whether the trainer has built-in rule files, so that ``--adapter NAME`` names it (a trainer whose
+        checkpoints hold Hugging Face's names already, DeepSpeed's or verl's, has none)."""
+        folder = resources.files(type(self).__module__).joinpath("rules")
+        return folder.is_dir() and any(entry.name.endswith(".rules") for entry in folder.iterdir())
+
     def rule_sets(self) -> list[RuleSet]:
         """The trainer's built-in rule files (``rules/*.rules`` in its folder), parsed, by file name."""
         folder = resources.files(type(self).__module__).joinpath("rules")
