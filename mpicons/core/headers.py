@@ -7,12 +7,13 @@ that fails the fast checks is parsed again entry by entry, to say exactly what i
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import json
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,13 +30,30 @@ INPUT_SUFFIXES = (".safetensors", DATA_SUFFIX)
 #: ``-0`` in a list: an integer to Python, refused by the reference reader's unsigned fields.
 _MINUS_ZERO = re.compile(rb"[\[,][ \t\n\r]*-0")
 
-try:  # orjson, when installed, decodes headers about 1.5x faster; it accepts a subset of what json does
-    from orjson import loads as _fast_loads
-except ImportError:  # pragma: no cover - depends on the environment
+#: Headers (and sharding strings) at least this long are decoded with orjson when it is installed: it
+#: decodes about 1.5x faster, but importing it (and the uuid module it loads) costs 0.2-0.6 s from a
+#: cold page cache, more than it saves on a checkpoint of small headers. It accepts a subset of what
+#: json does; what it refuses goes to the strict path as before.
+FAST_JSON_MIN = 256 << 10
 
-    def _fast_loads(raw: bytes | str) -> object:
-        """UTF-8 only: other encodings json would guess from the bytes go to the strict path."""
-        return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+
+@functools.cache
+def _orjson_loads() -> Callable[[bytes | str], object] | None:
+    """orjson's decoder, imported on first use (None: not installed)."""
+    try:
+        from orjson import loads
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return loads
+
+
+def _fast_loads(raw: bytes | str) -> object:
+    """JSON decoded by orjson for long texts when installed, else json (UTF-8 only: other encodings
+    json would guess from the bytes go to the strict path)."""
+    loads = _orjson_loads() if len(raw) >= FAST_JSON_MIN else None
+    if loads is not None:
+        return loads(raw)
+    return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
 
 
 @dataclass
