@@ -334,6 +334,7 @@ SHAPES = {
 @pytest.fixture(params=["installed", "json"])
 def decoder(request, monkeypatch):
     """The header decoder: orjson where it is installed (else json), and json's fallback alike."""
+    monkeypatch.setattr(headers, "FAST_JSON_MIN", 0)  # the crafted headers are short: orjson for every one
     if request.param == "json":
         monkeypatch.setattr(
             headers, "_fast_loads", lambda raw: json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
@@ -418,3 +419,18 @@ def test_every_reader_refuses_a_bad_length_prefix_alike_and_as_the_reference_rea
         assert said == [None, None, None]
     else:
         assert all(s is not None and s.startswith(expected) for s in said), said
+
+
+def test_orjson_is_asked_only_for_a_long_header(monkeypatch) -> None:
+    """orjson is imported (and used) only for a header of at least ``FAST_JSON_MIN`` bytes: on small
+    headers its import costs more than it saves. Both decoders give the same objects."""
+    asked: list[int] = []
+
+    def recording() -> object:
+        asked.append(1)
+        return json.loads
+
+    monkeypatch.setattr(headers, "_orjson_loads", recording)
+    assert headers._fast_loads(b'{"a": [1, 2]}') == {"a": [1, 2]} and not asked
+    long = json.dumps({str(i): [i, i + 1] for i in range(headers.FAST_JSON_MIN // 8)}).encode()
+    assert headers._fast_loads(long) == json.loads(long) and asked

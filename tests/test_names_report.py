@@ -22,8 +22,9 @@ from helpers import FIXTURES, cli, load_tensors, reference_bytes, run_python
 import mpicons
 from mpicons.comm import SingleProcess
 from mpicons.core.adapter_hints import recognising_adapters
+from mpicons.core.adapter_rules import may_read
 from mpicons.sample import SampleConfig, full_tensor, tensor_specs, write_sample
-from mpicons.trainers import known_rule_sets
+from mpicons.trainers import TRAINERS, known_rule_sets, rule_sets_reading
 
 TITAN = Path(__file__).parent / "fixtures" / "torchtitan"
 TIMEOUT = 120
@@ -52,6 +53,27 @@ def test_the_built_in_rules_recognise_a_trainer_s_own_names() -> None:
     assert recognising_adapters(["optimizer.state.norm.weight.exp_avg"], known_rule_sets()) == []  # nothing a rule renames
     assert recognising_adapters([*titan, "my_own.weight"], known_rule_sets()) == []  # one name no rule reads
     assert recognising_adapters([], known_rule_sets()) == []
+
+
+def _example(source: str) -> str:
+    """A name a source pattern matches: each capture a number, ``**`` two parts, ``*`` one."""
+    return re.sub(r"\{[^{}]*\}", "7", source.replace("**", "a.b").replace("*", "x"))
+
+
+def test_only_the_rule_files_that_may_read_the_first_name_are_asked() -> None:
+    titan = ["tok_embeddings.weight", "layers.0.attention.wo.weight", "norm.weight", "optimizer.state.norm.weight.exp_avg"]
+    hf = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    for names in (titan, hf, ["optimizer.state.norm.weight.exp_avg"], [*titan, "my_own.weight"], [], ["my_own.weight", *titan]):
+        assert recognising_adapters(names, rule_sets_reading(names)) == recognising_adapters(names, known_rule_sets())
+    assert len(rule_sets_reading(["my_own.weight"])) < len(known_rule_sets())
+    # Never a file left out that reads the name: every rule's source, made a name, keeps its file.
+    for trainer in TRAINERS.values():
+        for (origin, text), rules in zip(trainer.rule_texts(), trainer.rule_sets(), strict=True):
+            for rule in rules.rules:
+                name = _example(rule.source)
+                assert rule.pattern.fullmatch(name), (origin, rule.source, name)
+                assert may_read(text, name), (origin, rule.source)
+                assert any(found is rules for _, found in rule_sets_reading([name]))
 
 
 def test_trainer_names_without_an_adapter_are_consolidated_with_a_note(tmp_path: Path) -> None:

@@ -358,6 +358,39 @@ def _check_target(rule: Rule, captures: set[str], where: str) -> None:
         raise InputError(f"{where}: target {rule.target!r}: dotted parts of letters, digits, '_', '-' and {{captures}}")
 
 
+_WILDCARD = re.compile(r"\{[^{}]*\}|\*")
+
+
+def _may_match(word: str, name: str) -> bool:
+    """Whether ``word``, read as a source pattern, may match ``name``: its literal parts (between
+    captures and ``*``) found in ``name`` in order, the first at its start and the last at its end."""
+    parts = _WILDCARD.split(word)
+    if len(parts) == 1:
+        return word == name
+    first, last = parts[0], parts[-1]
+    if len(first) + len(last) > len(name) or not name.startswith(first) or not name.endswith(last):
+        return False
+    position, end = len(first), len(name) - len(last)
+    for middle in parts[1:-1]:
+        position = name.find(middle, position, end)
+        if position < 0:
+            return False
+        position += len(middle)
+    return True
+
+
+def may_read(text: str, name: str) -> bool:
+    """Whether a rule file's ``text`` may hold a source pattern matching ``name``, told without compiling
+    its patterns: a line's first word (a rule's source), or a word of a ``skip`` line, whose literal
+    parts ``name`` holds in order. A file this says no to reads no ``name``; a yes is only a maybe."""
+    for raw in text.splitlines():
+        words = raw.split("#", 1)[0].split()
+        sources = words[1:] if words[:1] == ["skip"] else words[:1]
+        if any(_may_match(word, name) for word in sources):
+            return True
+    return False
+
+
 def parse_rules(text: str, origin: str) -> RuleSet:
     """A rule file's text checked whole: the first bad line is an :class:`InputError` naming ``origin:line``."""
     rules: list[Rule] = []
@@ -463,6 +496,7 @@ __all__ = [
     "Rule",
     "RuleSet",
     "parse_rules",
+    "may_read",
     "choose_rules",
     "target_names",
     "evaluate",

@@ -7,6 +7,7 @@ that fails the fast checks is parsed again entry by entry, to say exactly what i
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import json
@@ -14,7 +15,6 @@ import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
@@ -30,19 +30,30 @@ INPUT_SUFFIXES = (".safetensors", DATA_SUFFIX)
 #: ``-0`` in a list: an integer to Python, refused by the reference reader's unsigned fields.
 _MINUS_ZERO = re.compile(rb"[\[,][ \t\n\r]*-0")
 
+#: Headers (and sharding strings) at least this long are decoded with orjson when it is installed: it
+#: decodes about 1.5x faster, but importing it (and the uuid module it loads) costs 0.2-0.6 s from a
+#: cold page cache, more than it saves on a checkpoint of small headers. It accepts a subset of what
+#: json does; what it refuses goes to the strict path as before.
+FAST_JSON_MIN = 256 << 10
 
-def _json_loads(raw: bytes | str) -> Any:
-    """UTF-8 only: other encodings json would guess from the bytes go to the strict path."""
+
+@functools.cache
+def _orjson_loads() -> Callable[[bytes | str], object] | None:
+    """orjson's decoder, imported on first use (None: not installed)."""
+    try:
+        from orjson import loads
+    except ImportError:  # pragma: no cover - depends on the environment
+        return None
+    return loads
+
+
+def _fast_loads(raw: bytes | str) -> object:
+    """JSON decoded by orjson for long texts when installed, else json (UTF-8 only: other encodings
+    json would guess from the bytes go to the strict path)."""
+    loads = _orjson_loads() if len(raw) >= FAST_JSON_MIN else None
+    if loads is not None:
+        return loads(raw)
     return json.loads(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
-
-
-#: The fast path's decoder: orjson, when installed, decodes headers about 1.5x faster (it accepts a
-#: subset of what json does; what it refuses goes to the strict path), else json.
-_fast_loads: Callable[[bytes | str], Any] = _json_loads
-try:
-    from orjson import loads as _fast_loads
-except ImportError:  # pragma: no cover - depends on the environment
-    pass
 
 
 @dataclass

@@ -41,7 +41,7 @@ from ..job.archive_scan import scan_input
 from ..job.consolidation import layout_of, load_mapping, mapping_of
 from ..job.model_check import judge, layout_tensors
 from ..job.scan import distribute, select
-from ..trainers import known_rule_sets
+from ..trainers import rule_sets_reading
 
 #: Width the table output is laid out for.
 WIDTH = 100
@@ -332,7 +332,7 @@ def inspect(
         report.adapter = scanned.conversion.rules
         report.mapping_rows = mapping_infos(saved_names, scanned.conversion)
     elif options.adapter is None:
-        report.notes += [note for note in [trainer_names_note(scanned.names, known_rule_sets())] if note]
+        report.notes += [note for note in [trainer_names_note(scanned.names, rule_sets_reading(scanned.names))] if note]
     report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))
     if report.caveat is not None and options.expect_ranks is None and verdict.checked(scanned.names) is None:
         report.notes.append(UNCHECKED_HINT)

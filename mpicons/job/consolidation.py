@@ -36,7 +36,7 @@ from ..io.outputs import OutputBackend
 from ..io.s3 import S3Location, is_s3
 from ..io.s3_output import IN_FLIGHT
 from ..io.sources import SourceFiles
-from ..trainers import known_rule_sets
+from ..trainers import rule_sets_reading
 from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter, plan_scanned
 from .archive_scan import scan_input
 from .dropped import dropped_warnings
@@ -347,7 +347,7 @@ def _with_names_report(result: ConsolidateResult, scanned: Scanned, options: Opt
     result = replace(result, assets=assets, input_notes=[*adapter.notes, *scanned.notes])
     if conversion is not None:
         return replace(result, adapted=conversion.summary(), warnings=list(conversion.warnings.values()))
-    note = None if options.adapter is not None else trainer_names_note(scanned.names, known_rule_sets())
+    note = None if options.adapter is not None else trainer_names_note(scanned.names, rule_sets_reading(scanned.names))
     return replace(result, advice=[] if note is None else [note])
 
 

@@ -12,10 +12,11 @@ A new trainer is one more leaf and one more entry in :data:`TRAINERS`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
-from ..core.adapter_rules import RuleSet
+from ..core.adapter_rules import RuleSet, may_read
 from .accelerate import ACCELERATE
-from .base import ArchiveFormat, Found, Settled, Trainer
+from .base import ArchiveFormat, Found, Settled, Trainer, parsed_rules
 from .deepspeed import DEEPSPEED
 from .megatron import MEGATRON
 from .torchtitan import TORCHTITAN
@@ -53,4 +54,30 @@ def known_rule_sets() -> tuple[tuple[str, RuleSet], ...]:
     return tuple((name, rules) for name, known in TRAINERS.items() for rules in known.rule_sets())
 
 
-__all__ = ["TRAINERS", "ArchiveFormat", "Found", "Settled", "Trainer", "adapter_names", "known_rule_sets", "recognise", "trainer"]
+@functools.cache
+def _rule_texts() -> tuple[tuple[str, str, str], ...]:
+    """(``--adapter`` name, origin, text) of every built-in rule file, read once per process."""
+    return tuple((name, origin, text) for name, known in TRAINERS.items() for origin, text in known.rule_texts())
+
+
+def rule_sets_reading(names: Sequence[str]) -> tuple[tuple[str, RuleSet], ...]:
+    """The built-in rule sets, as :func:`known_rule_sets`, that may read every one of ``names``: only
+    the files that may read the first name are parsed (none, usually, for names no trainer writes),
+    so the names hint of a run without ``--adapter`` compiles few of the 241 patterns."""
+    if not names:
+        return ()
+    return tuple((name, parsed_rules(text, origin)) for name, origin, text in _rule_texts() if may_read(text, names[0]))
+
+
+__all__ = [
+    "TRAINERS",
+    "ArchiveFormat",
+    "Found",
+    "Settled",
+    "Trainer",
+    "adapter_names",
+    "known_rule_sets",
+    "recognise",
+    "rule_sets_reading",
+    "trainer",
+]

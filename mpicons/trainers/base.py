@@ -8,6 +8,7 @@ pickles, the config from ``--hf-assets``.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -133,11 +134,15 @@ class Trainer:
         folder = resources.files(type(self).__module__).joinpath("rules")
         return folder.is_dir() and any(entry.name.endswith(".rules") for entry in folder.iterdir())
 
-    def rule_sets(self) -> list[RuleSet]:
-        """The trainer's built-in rule files (``rules/*.rules`` in its folder), parsed, by file name."""
+    def rule_texts(self) -> list[tuple[str, str]]:
+        """The trainer's built-in rule files (``rules/*.rules`` in its folder) as (origin, text), by file name."""
         folder = resources.files(type(self).__module__).joinpath("rules")
         files = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".rules")) if folder.is_dir() else []
-        return [parse_rules(folder.joinpath(file).read_text(encoding="utf-8"), f"{self.name}:{file}") for file in files]
+        return [(f"{self.name}:{file}", folder.joinpath(file).read_text(encoding="utf-8")) for file in files]
+
+    def rule_sets(self) -> list[RuleSet]:
+        """The trainer's built-in rule files, parsed, by file name."""
+        return [parsed_rules(text, origin) for origin, text in self.rule_texts()]
 
     def choose_rules(self, config: dict[str, Any] | None) -> RuleSet:
         """The rule file for the config's ``model_type``; bad input when there is no config or no file for it."""
@@ -157,4 +162,10 @@ class Trainer:
         )
 
 
-__all__ = ["ArchiveFormat", "Found", "Settled", "Trainer", "entries", "read_small"]
+@functools.cache
+def parsed_rules(text: str, origin: str) -> RuleSet:
+    """A built-in rule file parsed once per process (its 30-40 patterns compiled: about 15 ms)."""
+    return parse_rules(text, origin)
+
+
+__all__ = ["ArchiveFormat", "Found", "Settled", "Trainer", "entries", "parsed_rules", "read_small"]
