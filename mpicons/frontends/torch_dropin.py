@@ -100,7 +100,12 @@ def consolidate_safetensors_files_on_every_rank(
     alone = process_group is None and not (dist.is_available() and dist.is_initialized())
     comm = SingleProcess() if alone else TorchComm(process_group)
     _require_output_dir(output_dir, comm.allgather)
-    return consolidate(input_dir, output_dir, comm=comm, mapping=dict(fqn_to_index_mapping), inside_input=True, **changes)
+    result = consolidate(input_dir, output_dir, comm=comm, mapping=dict(fqn_to_index_mapping), inside_input=True, **changes)
+    # Every member leaves together, as torch's function does after its final barrier: the owner, which
+    # publishes, would otherwise return first, and a caller that removes the directory as soon as its
+    # own call returns (torch's own tests do, on every rank) would pull it from under the others.
+    comm.allgather(None)
+    return result
 
 
 def consolidate_safetensors_files(
