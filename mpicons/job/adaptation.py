@@ -138,7 +138,8 @@ def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, own
         notes = [] if found is None else list(found.notes)
         if auto and chosen is not None:
             notes.append(
-                f"adapter {chosen.name}: chosen because the input is a {chosen.title} checkpoint (--adapter FILE for other rules)"
+                f"adapter {chosen.name}: chosen because the input is a {chosen.title} checkpoint "
+                "(--adapter FILE for other rules, --adapter none for the names as saved)"
             )
         settled = _settled(options, found, chosen)
         rules = None
