@@ -331,51 +331,66 @@ def tensor_specs(c: SampleConfig) -> list[Spec]:
     return specs
 
 
+#: Elements drawn at a time for a floating-point tensor: the float32 draws and their arithmetic stay
+#: this size, so a 2 GB tensor needs its own 2 GB, not four times it (the stream is the same in chunks).
+_DRAW = 1 << 24
+
+
 def full_tensor(c: SampleConfig, name: str, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
     """The sample's full value of tensor ``name`` (deterministic in the config's seed and the name)."""
     rng = np.random.default_rng([c.seed, zlib.crc32(name.encode())])
     count = int(np.prod(shape, dtype=np.int64))
     kind = DTYPE_BY_NAME[dtype]
-    if dtype == "BOOL":
-        values = rng.random(count, dtype=np.float32) < 0.5
-    elif kind.is_float:
-        values = ((rng.random(count, dtype=np.float32) - 0.5) * 0.2).astype(np.dtype(kind.numpy))
+    if dtype == "BOOL" or kind.is_float:
+        values = np.empty(count, dtype=bool if dtype == "BOOL" else np.dtype(kind.numpy))
+        for start in range(0, count, _DRAW):
+            drawn = rng.random(min(_DRAW, count - start), dtype=np.float32)
+            values[start : start + len(drawn)] = drawn < 0.5 if dtype == "BOOL" else ((drawn - 0.5) * 0.2).astype(values.dtype)
     else:
         info = np.iinfo(np.dtype(kind.numpy))
         values = rng.integers(info.min, info.max, count, dtype=np.dtype(kind.numpy), endpoint=True)
     return values.reshape(shape)
 
 
-def _write_shard(path: str, pieces: list[tuple[str, str, np.ndarray, tuple[int, ...]]], mode: str = "wb") -> None:
-    """One DCP shard file as torch writes it (through safetensors' serializer): tensors in the
-    reference order (dtype alignment, then name), sharding info in the metadata."""
-    pieces = sorted(pieces, key=lambda p: (DTYPE_ORDER[p[1]], p[0]))
+def _shard_header(pieces: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]) -> bytes:
+    """The header torch writes (through safetensors' serializer) for ``(name, dtype, shape, offsets)``
+    pieces already in the reference order (dtype alignment, then name), sharding info in the metadata."""
     info = {name: {"saved_offsets": list(offsets)} for name, _, _, offsets in pieces}
     metadata = {"format": "pt", "DCP_VERSION": "1.0", "DCP_SHARDING_INFO": json.dumps(info)}
-    header, _ = build_header([(name, dtype, data.shape) for name, dtype, data, _ in pieces], metadata)
-    with open(path, mode) as handle:
-        handle.write(header)
-        for _, _, data, _ in pieces:
-            handle.write(np.ascontiguousarray(data).tobytes())
+    header, _ = build_header([(name, dtype, shape) for name, dtype, shape, _ in pieces], metadata)
+    return header
 
 
-def _pieces_of_file(
-    c: SampleConfig, index: int, keep: Callable[[str, str], bool]
-) -> Iterator[tuple[int, list[tuple[str, str, np.ndarray, tuple[int, ...]]]]]:
+def _write_file_index(directory: str, c: SampleConfig, index: int, keep: Callable[[str, str], bool], mode: str) -> None:
+    """The shard files of output file ``index``, one per training rank holding a piece of it, written
+    one full tensor at a time: memory is the largest tensor, whatever the file's size."""
     placements = _placements(c)
-    members = [s for s in tensor_specs(c) if s[4] == index and keep(s[0], s[1])]
-    per_rank: dict[int, list[tuple[str, str, np.ndarray, tuple[int, ...]]]] = {r: [] for r in range(c.world)}
+    members = sorted(
+        (s for s in tensor_specs(c) if s[4] == index and keep(s[0], s[1])), key=lambda s: (DTYPE_ORDER[s[1]], s[0])
+    )
+    held: dict[int, list[tuple[str, str, Box]]] = {r: [] for r in range(c.world)}  # by training rank, file order
+    boxes: dict[str, list[tuple[int, Box]]] = {}  # by tensor
     for name, dtype, shape, placement, _ in members:
-        full = full_tensor(c, name, dtype, shape)
-        for dp in range(c.dp):
-            for tp in range(c.tp):
-                box = placements[placement](shape, dp, tp)
-                if box is None:
-                    continue
-                offsets, size = box
+        for train_rank in range(c.world):
+            box = placements[placement](shape, train_rank // c.tp, train_rank % c.tp)
+            if box is not None:
+                held[train_rank].append((name, dtype, box))
+                boxes.setdefault(name, []).append((train_rank, box))
+    handles = {}
+    try:
+        for train_rank, pieces in held.items():
+            if pieces:
+                path = os.path.join(directory, shard_file_name(train_rank + 1, index, c.files))
+                handles[train_rank] = open(path, mode)
+                handles[train_rank].write(_shard_header([(name, dtype, box[1], box[0]) for name, dtype, box in pieces]))
+        for name, dtype, shape, _, _ in members:
+            full = full_tensor(c, name, dtype, shape)
+            for train_rank, (offsets, size) in boxes.get(name, []):
                 region = tuple(slice(o, o + s) for o, s in zip(offsets, size))
-                per_rank[dp * c.tp + tp].append((name, dtype, full[region], offsets))
-    yield from per_rank.items()
+                handles[train_rank].write(np.ascontiguousarray(full[region]).tobytes())
+    finally:
+        for handle in handles.values():
+            handle.close()
 
 
 def sample_file_names(config: SampleConfig | None = None, distcp: str | None = None) -> list[str]:
@@ -442,9 +457,7 @@ def write_sample(
         if distcp is not None:
             return [_write_distcp_ranks(directory, c, range(rank, c.world, size), chosen, distcp, mode)]
         for index in range(1 + rank, c.files + 1, size):
-            for train_rank, pieces in _pieces_of_file(c, index, chosen):
-                if pieces:
-                    _write_shard(os.path.join(directory, shard_file_name(train_rank + 1, index, c.files)), pieces, mode)
+            _write_file_index(directory, c, index, chosen, mode)
         return []
 
     items = work() if comm is None else [part for parts in agree(comm, work, gather=True) for part in parts]
