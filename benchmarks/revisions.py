@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from harness import PYTHON, REPO, Quiet, checked, machine, mpirun, parse_size, quiesce, run_timed, same_tree, warm
+from harness import PYTHON, REPO, Quiet, byte_compile, checked, machine, mpirun, parse_size, quiesce, run_timed, same_tree, warm
 
 
 def extract(revision: str, workdir: Path) -> tuple[Path, str]:
@@ -34,6 +34,7 @@ def extract(revision: str, workdir: Path) -> tuple[Path, str]:
     root.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(REPO), "archive", commit, "mpicons"], capture_output=True, check=True)
     subprocess.run(["tar", "-x", "-C", str(root)], input=archive.stdout, check=True)
+    byte_compile(root / "mpicons")
     return root, commit
 
 

@@ -365,9 +365,7 @@ def _write_file_index(directory: str, c: SampleConfig, index: int, keep: Callabl
     """The shard files of output file ``index``, one per training rank holding a piece of it, written
     one full tensor at a time: memory is the largest tensor, whatever the file's size."""
     placements = _placements(c)
-    members = sorted(
-        (s for s in tensor_specs(c) if s[4] == index and keep(s[0], s[1])), key=lambda s: (DTYPE_ORDER[s[1]], s[0])
-    )
+    members = sorted((s for s in tensor_specs(c) if s[4] == index and keep(s[0], s[1])), key=lambda s: (DTYPE_ORDER[s[1]], s[0]))
     held: dict[int, list[tuple[str, str, Box]]] = {r: [] for r in range(c.world)}  # by training rank, file order
     boxes: dict[str, list[tuple[int, Box]]] = {}  # by tensor
     for name, dtype, shape, placement, _ in members:
