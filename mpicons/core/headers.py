@@ -325,22 +325,18 @@ def read_headers(directory: str | Opener, names: Sequence[str], file_ids: Sequen
     """Read the headers of ``names`` (files with global ids ``file_ids`` inside ``directory``, or opened
     by name with an :data:`~mpicons.core.byte_sources.Opener`), each closed once read."""
     open_one = posix_opener(directory) if isinstance(directory, str) else directory
+    tensor_names: list[str] = []
     ids: dict[str, int] = {}
     parts, starts, dcp = [], [], []
-    previous: tuple[list[str], np.ndarray] = ([], np.zeros(0, dtype=np.int32))
     for file_id, file_name in zip(file_ids, names):
         source = open_one(file_name)
         try:
             parsed = read_file(source, file_name)
         finally:
             source.close()
-        if parsed.names == previous[0]:
-            lookup = previous[1]  # FSDP: every training rank's file holds the same tensors, in the same order
-        else:
-            new = [n for n in parsed.names if n not in ids]
-            ids.update(zip(new, range(len(ids), len(ids) + len(new))))
-            lookup = np.fromiter(map(ids.__getitem__, parsed.names), dtype=np.int32, count=len(parsed.names))
-            previous = (parsed.names, lookup)
+        new = [n for n in parsed.names if n not in ids]
+        ids.update(zip(new, range(len(ids), len(ids) + len(new))))
+        lookup = np.fromiter(map(ids.__getitem__, parsed.names), dtype=np.int32, count=len(parsed.names))
         parts.append(
             Pieces(
                 tensor=lookup,
