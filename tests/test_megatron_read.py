@@ -38,6 +38,7 @@ import mpicons
 from mpicons.comm import SingleProcess
 from mpicons.core.distcp_metadata import read_metadata
 from mpicons.core.errors import InputError
+from mpicons.io.places import LocalPlace
 from mpicons.trainers import recognise
 from mpicons.trainers.megatron.config import check_config, derive_config
 from mpicons.trainers.megatron.files import METADATA_ALLOW, read_common
@@ -203,7 +204,7 @@ def test_a_broken_run_directory_is_bad_input_naming_it(case: str, tmp_path: Path
 
 def test_a_plain_dcp_checkpoint_is_no_trainers(tmp_path: Path) -> None:
     plain = Path(__file__).parent / "fixtures" / "distcp"
-    assert all(recognise(str(path / "dcp")) is None for path in plain.iterdir() if (path / "dcp").is_dir())
+    assert all(recognise(LocalPlace(str(path / "dcp"))) is None for path in plain.iterdir() if (path / "dcp").is_dir())
 
 
 # ---------------------------------------------------------------- layouts no fixture holds, written by torch's DCP
@@ -255,7 +256,7 @@ def test_nemo2_without_assets_asks_for_them(variants: dict[str, Path], tmp_path:
 
 @pytest.mark.parametrize("case", CASES)
 def test_common_pt_gives_the_args_and_the_iteration(case: str) -> None:
-    run = read_common(str(iteration_dir(case)))
+    run = read_common(LocalPlace(str(iteration_dir(case))))
     facts = shape_of(case)
     assert run.iteration == 10
     assert run.args is not None
@@ -291,7 +292,7 @@ def test_a_hostile_common_pt_runs_nothing(tmp_path: Path) -> None:
 
 
 def _args(case: str) -> dict[str, object]:
-    run = read_common(str(iteration_dir(case)))
+    run = read_common(LocalPlace(str(iteration_dir(case))))
     assert run.args is not None
     return dict(run.args)
 

@@ -48,6 +48,11 @@ class InputStore(Protocol):
         """Input file ``name`` for ranged reads; ``size`` is its listed size (an object store needs it)."""
         ...
 
+    def list_suffixed(self, suffixes: tuple[str, ...]) -> tuple[builtins.list[str], builtins.list[int]]:
+        """The files (names and sizes) directly in the location whose names end with one of ``suffixes``,
+        sorted: the per-rank archives of a trainer's checkpoint and what lies beside them."""
+        ...
+
     def nested(self) -> builtins.list[str]:
         """The subdirectories (sub-prefixes) directly below that hold input files, by name: a bounded look,
         for the hint when the location itself holds none (``ckpt/`` given for ``ckpt/sharded/``)."""
@@ -82,6 +87,10 @@ class PosixInputs:
 
     def open(self, name: str, size: int | None = None) -> ByteSource:
         return PosixSource(self.path(name))
+
+    def list_suffixed(self, suffixes: tuple[str, ...]) -> tuple[builtins.list[str], builtins.list[int]]:
+        names = list_shards(self.location, allow_empty=True, suffixes=suffixes)
+        return names, [os.path.getsize(self.path(n)) for n in names]
 
     def nested(self) -> builtins.list[str]:
         try:

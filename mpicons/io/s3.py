@@ -14,6 +14,7 @@ secret: S3 error texts never echo the secret key, and the access key id is the m
 from __future__ import annotations
 
 import builtins
+import copy
 import hashlib
 import importlib
 import io
@@ -231,6 +232,12 @@ class S3Client:
         self.retry_note = RetryNote(location.url(), self.endpoint, self.attempts, connect_timeout, self._errors)
         self._client.meta.events.register_first("needs-retry.s3", self.retry_note)
 
+    def moved(self, location: S3Location) -> S3Client:
+        """This client's connections for another location (names and messages relative to it)."""
+        other = copy.copy(self)
+        other.location = location
+        return other
+
     def _new_client(self, config: Any, endpoint: str | None) -> Any:
         try:
             return self._session.client("s3", endpoint_url=endpoint or None, config=config)
@@ -382,6 +389,23 @@ class S3Client:
         except (self._errors.BotoCoreError, self._errors.ClientError) as exc:
             self.failure(exc, "listing the objects")
         return sorted(found)
+
+    def list_folder(self, folder: str) -> tuple[builtins.list[tuple[str, int]], builtins.list[str]]:
+        """What is directly in ``folder`` (a path below the prefix, "" for the prefix itself): its
+        objects' names and sizes, and the names of the sub-prefixes that hold objects, both sorted."""
+        prefix = self.location.list_prefix() + (f"{folder}/" if folder else "")
+        files: builtins.list[tuple[str, int]] = []
+        folders: builtins.list[str] = []
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.location.bucket, Prefix=prefix, Delimiter="/"
+            )
+            for page in pages:
+                files.extend((str(item["Key"])[len(prefix) :], int(item["Size"])) for item in page.get("Contents") or ())
+                folders.extend(str(item["Prefix"])[len(prefix) :].rstrip("/") for item in page.get("CommonPrefixes") or ())
+        except (self._errors.BotoCoreError, self._errors.ClientError) as exc:
+            self.failure(exc, "listing the objects", folder, input_error=True)
+        return sorted(f for f in files if f[0]), sorted(f for f in folders if f)
 
     def list_below(self, limit: int = 1000) -> builtins.list[str]:
         """Keys one level below the prefix (``sub/name``, relative to it), from one listing of at most

@@ -13,7 +13,9 @@ import builtins
 from collections.abc import Sequence
 
 from ..core.byte_sources import ByteSource
+from ..core.errors import InputError
 from ..core.headers import input_files
+from .places import SMALL_FILE
 from .s3 import S3Client, S3Location
 from .sources import SourceFiles
 
@@ -88,5 +90,74 @@ class S3Inputs:
         below = [key.split("/") for key in self.client.list_below()]
         return sorted({sub for sub, name in below if input_files([(name, 0)])[0]})
 
+    def list_suffixed(self, suffixes: tuple[str, ...]) -> tuple[builtins.list[str], builtins.list[int]]:
+        kept = [(name, size) for name, size in self.client.list() if name.endswith(suffixes) and not name.startswith(".")]
+        return [name for name, _ in kept], [size for _, size in kept]
 
-__all__ = ["S3Object", "S3SourceFiles", "S3Inputs"]
+
+class S3Place:
+    """An ``s3://`` prefix as a :class:`~mpicons.io.places.Place`: a folder is a sub-prefix holding
+    objects. One client (rooted at the bucket) serves the prefix and every folder looked at from it;
+    each folder is listed once, with one request per thousand entries."""
+
+    local = False
+
+    def __init__(self, client: S3Client, folder: str) -> None:
+        self.client, self.folder = client, folder
+        self.path = client.location.url(folder)
+        self.name = folder.rsplit("/", 1)[-1]
+        self._listing: tuple[dict[str, int], set[str]] | None = None
+
+    @classmethod
+    def at(cls, url: str, endpoint: str | None = None) -> S3Place:
+        """The prefix ``url``, its bucket's access checked first (bad input when it cannot be read)."""
+        location = S3Location.parse(url)
+        client = S3Client(location, endpoint)
+        client.check_access(write=False)
+        return cls(client.moved(S3Location(location.bucket, "")), location.prefix)
+
+    def _listed(self) -> tuple[dict[str, int], set[str]]:
+        if self._listing is None:
+            files, folders = self.client.list_folder(self.folder)
+            self._listing = dict(files), set(folders)
+        return self._listing
+
+    def _key(self, name: str) -> str:
+        return f"{self.folder}/{name}" if self.folder else name
+
+    def entries(self) -> builtins.list[str]:
+        files, folders = self._listed()
+        return sorted({*files, *folders})
+
+    def is_file(self, name: str) -> bool:
+        return name in self._listed()[0]
+
+    def is_dir(self, name: str) -> bool:
+        return name in self._listed()[1]
+
+    def child(self, name: str) -> S3Place:
+        return S3Place(self.client, self._key(name))
+
+    def parent(self) -> S3Place:
+        return S3Place(self.client, self.folder.rpartition("/")[0])
+
+    def join(self, name: str) -> str:
+        return self.client.location.url(self._key(name))
+
+    def _size(self, name: str, what: str) -> int:
+        size = self._listed()[0].get(name)
+        if size is None:
+            raise InputError(f"{self.join(name)}: no such object, not {what}")
+        return size
+
+    def read_small(self, name: str, what: str) -> bytes:
+        size = self._size(name, what)
+        if size > SMALL_FILE:
+            raise InputError(f"{self.join(name)}: larger than {SMALL_FILE >> 20} MiB, not {what}")
+        return self.client.read(self._key(name), 0, size) if size else b""
+
+    def open(self, name: str) -> ByteSource:
+        return S3Object(self.client, self._key(name), self._size(name, "a file"))
+
+
+__all__ = ["S3Object", "S3Place", "S3SourceFiles", "S3Inputs"]

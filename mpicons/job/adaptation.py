@@ -25,6 +25,7 @@ from ..core.facts import FACT_KEY, piece_destinations
 from ..core.format import DTYPES
 from ..core.options import Options
 from ..core.unpickling import NOTHING, AllowList
+from ..io.places import LocalPlace
 from ..io.regular_files import NotRegular, kind_of, open_regular, read_bounded
 from ..io.s3 import is_s3
 from ..trainers import TRAINERS, ArchiveFormat, Found, Settled, Trainer, adapter_names, recognise, trainer
@@ -95,11 +96,15 @@ def _read_rule_file(path: str) -> str:
         raise InputError(f"--adapter {path!r}: not a text file (UTF-8)") from None
 
 
-def _recognised(input_dir: str | None) -> Found | None:
-    """The trainers asked about a local input directory (an ``s3://`` location or per-rank directories: not asked)."""
-    if input_dir is None or is_s3(input_dir) or "{rank}" in input_dir:
+def _recognised(input_dir: str | None, endpoint: str | None) -> Found | None:
+    """The trainers asked about the input directory or ``s3://`` prefix (per-rank directories: not asked)."""
+    if input_dir is None or "{rank}" in input_dir:
         return None
-    return recognise(input_dir)
+    if is_s3(input_dir):
+        from ..io.s3_sources import S3Place
+
+        return recognise(S3Place.at(input_dir, endpoint))
+    return recognise(LocalPlace(input_dir))
 
 
 def _settled(options: Options, found: Found | None, chosen: Trainer | None) -> Settled:
@@ -130,7 +135,7 @@ def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, own
     ``input_dir``, also the model's config (the assets', else one beside the input) for the shape check."""
 
     def read() -> Adapter:
-        found = _recognised(input_dir)
+        found = _recognised(input_dir, options.s3_endpoint)
         off = options.adapter == NO_ADAPTER
         named = None if options.adapter is None or off else trainer(options.adapter)
         auto = found is not None and options.adapter is None and TRAINERS[found.trainer].chosen_unasked
@@ -150,7 +155,8 @@ def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, own
         allow = (
             TRAINERS[found.trainer].metadata_allow if found is not None else (NOTHING if named is None else named.metadata_allow)
         )
-        return Adapter(rules, settled.assets, found, allow, (*notes, *settled.notes))
+        shared = None if found is None else replace(found, place=None)  # a place holds a connection: it stays here
+        return Adapter(rules, settled.assets, shared, allow, (*notes, *settled.notes))
 
     adapter = agree_on(comm, owner, read)
     if input_dir is None:

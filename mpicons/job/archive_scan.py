@@ -10,16 +10,12 @@ piece is a byte range of a ``.pt`` file, read by the engine like a piece of a sh
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from ..comm.agreement import Comm, agree, agree_on
-from ..core.errors import InputError
 from ..core.facts import piece_destinations
 from ..core.flat_pieces import TrainerLayout, as_pieces
 from ..core.format import DTYPE_ORDER
-from ..core.headers import list_shards
 from ..core.table import shard_files, to_storage_units
 from ..core.unpickling import NOTHING, AllowList
 from ..io.inputs import InputStore
@@ -28,11 +24,8 @@ from .scan import Scanned, open_store, reduce_facts, release_memory, scan
 
 #: The ``source_format`` of such a scan's files (they name no output file: sharded as ``save_pretrained`` does).
 TORCH_SAVE = "torch.save"
-
-
-def _listing(directory: str) -> tuple[list[str], list[int]]:
-    names = list_shards(directory, allow_empty=True, suffixes=(".pt", ".json"))
-    return names, [os.path.getsize(os.path.join(directory, n)) for n in names]
+#: The files of such a checkpoint's directory the scan lists: the archives and the JSON beside them (verl's config).
+ARCHIVE_SUFFIXES = (".pt", ".json")
 
 
 def _read_records(store: InputStore, archives: ArchiveFormat, names: list[str], sizes: dict[str, int]) -> list[object]:
@@ -55,12 +48,11 @@ def _notes(layout: TrainerLayout, title: str) -> list[str]:
 
 
 def scan_archives(store: InputStore, comm: Comm, archives: ArchiveFormat, listing: bool = False) -> Scanned:
-    """The scan of the archives in ``store``'s directory (a shared filesystem): records read split over
-    ``comm``, the layout made on every rank, each rank holding the pieces of the files it read."""
+    """The scan of the archives in ``store``'s directory (of a shared filesystem, or an ``s3://`` prefix):
+    records read split over ``comm``, the layout made on every rank, each rank holding the pieces of the
+    files it read."""
     directory = store.location
-    if getattr(store, "shared", False) or not os.path.isdir(directory):
-        raise InputError(f"{directory}: {archives.title} checkpoints are read from a directory of a shared filesystem")
-    names, sizes = agree_on(comm, 0, lambda: _listing(directory))
+    names, sizes = agree_on(comm, 0, lambda: store.list_suffixed(ARCHIVE_SUFFIXES))
     size_of = dict(zip(names, sizes))
     wanted = agree(comm, lambda: archives.wanted(names, directory))
     mine = wanted[comm.rank :: comm.size]

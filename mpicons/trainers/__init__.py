@@ -15,6 +15,7 @@ import functools
 from collections.abc import Sequence
 
 from ..core.adapter_rules import RuleSet, may_read
+from ..io.places import Place
 from .accelerate import ACCELERATE
 from .base import ArchiveFormat, Found, Settled, Trainer, parsed_rules
 from .deepspeed import DEEPSPEED
@@ -27,10 +28,10 @@ from .verl import VERL
 TRAINERS: dict[str, Trainer] = {trainer.name: trainer for trainer in (TORCHTITAN, VERL, MEGATRON, DEEPSPEED, ACCELERATE)}
 
 
-def recognise(location: str) -> Found | None:
-    """The checkpoint at ``location`` as the first trainer that recognises it sees it (None: no trainer's own)."""
+def recognise(place: Place) -> Found | None:
+    """The checkpoint at ``place`` as the first trainer that recognises it sees it (None: no trainer's own)."""
     for trainer in TRAINERS.values():
-        found = trainer.recognise(location)
+        found = trainer.recognise(place)
         if found is not None:
             return found
     return None

@@ -9,9 +9,8 @@ pickles, the config from ``--hf-assets``.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +19,7 @@ from ..core.byte_sources import ByteSource
 from ..core.errors import InputError
 from ..core.flat_pieces import TrainerLayout
 from ..core.unpickling import NOTHING, AllowList
-from ..io.regular_files import NotRegular, kind_of, open_regular, read_bounded
+from ..io.places import LocalPlace, Place
 
 if TYPE_CHECKING:
     from ..io.assets import HFAssets
@@ -36,6 +35,12 @@ class Found:
     notes: tuple[str, ...] = ()  # what the report says about it (the iteration chosen, ...)
     strip_prefix: str | None = None  # a prefix every saved name carries (NeMo's ``module.``)
     assets: str | None = None  # a folder of the model's Hugging Face files saved with it (verl's ``huggingface/``)
+    #: ``directory`` as a place to read more of (Megatron's ``common.pt``); by default the local directory.
+    place: Place | None = field(default=None, compare=False, repr=False)
+
+    def at(self) -> Place:
+        """Where the checkpoint is, to read more of it."""
+        return self.place if self.place is not None else LocalPlace(self.directory)
 
 
 @dataclass(frozen=True)
@@ -72,35 +77,6 @@ class ArchiveFormat:
         raise NotImplementedError
 
 
-#: The largest small file of a checkpoint read (a tracker, a config).
-SMALL_FILE = 1 << 20
-
-
-def read_small(path: str, what: str) -> bytes:
-    """A small file of the checkpoint (at most 1 MiB), opened only as a regular file."""
-    try:
-        fd = open_regular(path, follow_links=True)
-    except NotRegular as exc:
-        raise InputError(f"{path}: {kind_of(exc.mode)}, not {what}") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
-    try:
-        data = read_bounded(fd, SMALL_FILE)
-    finally:
-        os.close(fd)
-    if data is None:
-        raise InputError(f"{path}: larger than {SMALL_FILE >> 20} MiB, not {what}")
-    return data
-
-
-def entries(directory: str) -> list[str]:
-    """The names in ``directory`` (none when it is not a readable directory)."""
-    try:
-        return sorted(os.listdir(directory))
-    except OSError:
-        return []
-
-
 class Trainer:
     """A trainer's leaf: subclasses override what their checkpoints need."""
 
@@ -115,9 +91,9 @@ class Trainer:
     #: How its per-rank ``torch.save`` archives are read (None: its checkpoints are DCP).
     archives: ArchiveFormat | None = None
 
-    def recognise(self, location: str) -> Found | None:
-        """The checkpoint at ``location`` if it is recognisably this trainer's (None: not its own);
-        :class:`InputError` when it is, but cannot be read as given."""
+    def recognise(self, place: Place) -> Found | None:
+        """The checkpoint at ``place`` (the location the user gave) if it is recognisably this trainer's
+        (None: not its own); :class:`InputError` when it is, but cannot be read as given."""
         return None
 
     def settle_config(self, found: Found | None, assets: HFAssets | None, model_type: str | None) -> Settled:
@@ -168,4 +144,4 @@ def parsed_rules(text: str, origin: str) -> RuleSet:
     return parse_rules(text, origin)
 
 
-__all__ = ["ArchiveFormat", "Found", "Settled", "Trainer", "entries", "parsed_rules", "read_small"]
+__all__ = ["ArchiveFormat", "Found", "Settled", "Trainer", "parsed_rules"]

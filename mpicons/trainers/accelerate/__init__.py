@@ -6,10 +6,9 @@ Layouts recognised: ``pytorch_model_fsdp_<i>/`` itself, or the checkpoint folder
 
 from __future__ import annotations
 
-import os
-
 from ...core.names import METADATA_NAME
-from ..base import Found, Trainer, entries
+from ...io.places import Place
+from ..base import Found, Trainer
 from .fsdp import _MODEL_DIRECTORY, PREFIX, model_directory
 
 
@@ -17,16 +16,16 @@ class Accelerate(Trainer):
     name = "accelerate"
     title = "accelerate FSDP (SHARDED_STATE_DICT)"
 
-    def recognise(self, location: str) -> Found | None:
-        if not _MODEL_DIRECTORY.match(os.path.basename(os.path.normpath(location))):
-            inner = model_directory(entries(location), location)
+    def recognise(self, place: Place) -> Found | None:
+        if not _MODEL_DIRECTORY.match(place.name):
+            inner = model_directory(place.entries(), place.path)
             if inner is None:
                 return None
-            location = os.path.join(location, inner)
-        if not os.path.isfile(os.path.join(location, METADATA_NAME)):
+            place = place.child(inner)
+        if not place.is_file(METADATA_NAME):
             return None
-        note = f"{self.title} checkpoint: {location}, the '{PREFIX}' prefix removed from its names"
-        return Found(self.name, location, "model directory", (note,), strip_prefix=PREFIX)
+        note = f"{self.title} checkpoint: {place.path}, the '{PREFIX}' prefix removed from its names"
+        return Found(self.name, place.path, "model directory", (note,), strip_prefix=PREFIX, place=place)
 
 
 ACCELERATE = Accelerate()

@@ -9,13 +9,13 @@ names is read), or the tag's directory itself (``global_step2/``).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 
 from ...core.byte_sources import ByteSource
 from ...core.errors import InputError
 from ...core.flat_pieces import TrainerLayout
-from ..base import ArchiveFormat, Found, Trainer, entries, read_small
+from ...io.places import Place
+from ..base import ArchiveFormat, Found, Trainer
 from .files import _MODEL3, _OPTIM, LATEST, ZeroFiles, detect, latest_tag
 from .layout import zero_layout
 from .records import ZeroModel, ZeroPartition, read_model_states, read_optim_states
@@ -57,21 +57,23 @@ class DeepSpeed(Trainer):
     title = "DeepSpeed ZeRO"
     archives = ZeroArchives()
 
-    def recognise(self, location: str) -> Found | None:
-        names = entries(location)
-        if LATEST in names and os.path.isfile(os.path.join(location, LATEST)) and detect(names, location) is None:
-            latest = os.path.join(location, LATEST)
-            tag = latest_tag(read_small(latest, "DeepSpeed's latest file").decode("utf-8", "replace"), latest)
-            step = os.path.join(location, tag)
-            if not os.path.isdir(step):
-                raise InputError(f"{latest}: names {tag!r}, but {step} is not there (removed?): give a checkpoint directory")
-            if detect(entries(step), step) is None:
+    def recognise(self, place: Place) -> Found | None:
+        names = place.entries()
+        if LATEST in names and place.is_file(LATEST) and detect(names, place.path) is None:
+            latest = place.join(LATEST)
+            tag = latest_tag(place.read_small(LATEST, "DeepSpeed's latest file").decode("utf-8", "replace"), latest)
+            if not place.is_dir(tag):
+                raise InputError(
+                    f"{latest}: names {tag!r}, but {place.join(tag)} is not there (removed?): give a checkpoint directory"
+                )
+            step = place.child(tag)
+            if detect(step.entries(), step.path) is None:
                 return None
-            note = f"{self.title} checkpoint {tag} (named by {latest}): {step}"
-            return Found(self.name, step, RUN_LAYOUT, (note,))
-        if detect(names, location) is None:
+            note = f"{self.title} checkpoint {tag} (named by {latest}): {step.path}"
+            return Found(self.name, step.path, RUN_LAYOUT, (note,), place=step)
+        if detect(names, place.path) is None:
             return None
-        return Found(self.name, location, TAG_LAYOUT, (f"{self.title} checkpoint: {location}",))
+        return Found(self.name, place.path, TAG_LAYOUT, (f"{self.title} checkpoint: {place.path}",), place=place)
 
 
 DEEPSPEED = DeepSpeed()

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from ...core.errors import InputError
 from ...core.names import METADATA_NAME
+from ...io.places import Place
 from ..base import Found, Settled, Trainer
 from .config import check_config, derive_config
 from .files import (
@@ -39,16 +40,12 @@ RUN_LAYOUT, ITERATION_LAYOUT, NEMO_LAYOUT = "run directory", "iteration director
 NEMO_PREFIX = "module."
 
 
-def _is_file(directory: str, name: str) -> bool:
-    return os.path.isfile(os.path.join(directory, name))
-
-
-def _nemo_weights(location: str) -> str | None:
-    """NeMo 2's ``weights/`` when ``location`` is its step directory or that ``weights/`` itself."""
-    parent, base = os.path.split(os.path.normpath(location))
-    for step, weights in ((location, os.path.join(location, "weights")), (parent, location if base == "weights" else "")):
-        if weights and os.path.isdir(os.path.join(step, "context")) and _is_file(weights, METADATA_NAME):
-            return weights
+def _nemo_weights(place: Place) -> Place | None:
+    """NeMo 2's ``weights/`` when ``place`` is its step directory or that ``weights/`` itself."""
+    if place.is_dir("context") and place.is_dir("weights") and place.child("weights").is_file(METADATA_NAME):
+        return place.child("weights")
+    if place.name == "weights" and place.is_file(METADATA_NAME) and place.parent().is_dir("context"):
+        return place
     return None
 
 
@@ -58,38 +55,39 @@ class Megatron(Trainer):
     metadata_allow = METADATA_ALLOW
     chosen_unasked = True
 
-    def recognise(self, location: str) -> Found | None:
-        if _is_file(location, TRACKER):
-            return self._from_run(location)
-        weights = _nemo_weights(location)
+    def recognise(self, place: Place) -> Found | None:
+        if place.is_file(TRACKER):
+            return self._from_run(place)
+        weights = _nemo_weights(place)
         if weights is not None:
-            note = f"{self.title} checkpoint of NeMo 2: reading {weights}, the '{NEMO_PREFIX}' prefix removed from its names"
-            return Found(self.name, weights, NEMO_LAYOUT, (note,), strip_prefix=NEMO_PREFIX)
-        if _is_file(location, METADATA_NAME) and (_is_file(location, BACKEND_FILE) or _is_file(location, COMMON_FILE)):
-            if _is_file(location, BACKEND_FILE):
-                read_backend(location)
-            match = ITERATION_DIR.match(os.path.basename(os.path.normpath(location)))
+            note = f"{self.title} checkpoint of NeMo 2: reading {weights.path}, the '{NEMO_PREFIX}' prefix removed from its names"
+            return Found(self.name, weights.path, NEMO_LAYOUT, (note,), strip_prefix=NEMO_PREFIX, place=weights)
+        if place.is_file(METADATA_NAME) and (place.is_file(BACKEND_FILE) or place.is_file(COMMON_FILE)):
+            if place.is_file(BACKEND_FILE):
+                read_backend(place)
+            match = ITERATION_DIR.match(place.name)
             which = f", iteration {int(match.group(1))}" if match else ""
-            return Found(self.name, location, ITERATION_LAYOUT, (f"{self.title} checkpoint{which}: {location}",))
-        if not _is_file(location, METADATA_NAME) and _iterations(location):
+            return Found(self.name, place.path, ITERATION_LAYOUT, (f"{self.title} checkpoint{which}: {place.path}",), place=place)
+        iterations = sorted(entry for entry in place.entries() if ITERATION_DIR.match(entry))
+        if not place.is_file(METADATA_NAME) and iterations:
             raise InputError(
-                f"{location}: holds Megatron iteration directories ({', '.join(_iterations(location)[-3:])}) but no {TRACKER}: "
+                f"{place.path}: holds Megatron iteration directories ({', '.join(iterations[-3:])}) but no {TRACKER}: "
                 "give the iteration directory to read"
             )
         return None
 
-    def _from_run(self, run: str) -> Found:
+    def _from_run(self, run: Place) -> Found:
         name, words = tracked_iteration(run)
-        directory = os.path.join(run, name)
-        if not os.path.isdir(directory):
+        if not run.is_dir(name):
             raise InputError(
-                f"{os.path.join(run, TRACKER)}: names {words}, but {directory} is not there (removed?): "
-                f"give an iteration directory of {run} instead"
+                f"{run.join(TRACKER)}: names {words}, but {run.join(name)} is not there (removed?): "
+                f"give an iteration directory of {run.path} instead"
             )
-        if not _is_file(directory, METADATA_NAME):
-            legacy = any(entry.startswith("mp_rank_") for entry in os.listdir(directory))
+        directory = run.child(name)
+        if not directory.is_file(METADATA_NAME):
+            legacy = any(entry.startswith("mp_rank_") for entry in directory.entries())
             raise InputError(
-                f"{directory}: no {METADATA_NAME}: "
+                f"{directory.path}: no {METADATA_NAME}: "
                 + (
                     "a checkpoint in Megatron's legacy 'torch' format (mp_rank_XX/), which mpicons does not read; "
                     "save with --ckpt-format torch_dist"
@@ -97,10 +95,10 @@ class Megatron(Trainer):
                     else "not a torch_dist checkpoint (was the save interrupted?)"
                 )
             )
-        if _is_file(directory, BACKEND_FILE):
+        if directory.is_file(BACKEND_FILE):
             read_backend(directory)
-        note = f"{self.title} checkpoint, {words} (named by {TRACKER}): {directory}"
-        return Found(self.name, directory, RUN_LAYOUT, (note,))
+        note = f"{self.title} checkpoint, {words} (named by {TRACKER}): {directory.path}"
+        return Found(self.name, directory.path, RUN_LAYOUT, (note,), place=directory)
 
     def settle_config(self, found: Found | None, assets: HFAssets | None, model_type: str | None) -> Settled:
         """The assets' config checked against ``common.pt``'s args, or, without one, derived from them."""
@@ -108,9 +106,9 @@ class Megatron(Trainer):
         if config is not None and model_type is not None and config.get("model_type") != model_type:
             raise InputError(f"--model-type {model_type!r}: config.json from --hf-assets says {config.get('model_type')!r}")
         run = None
-        readable = found is not None and found.layout != NEMO_LAYOUT and _is_file(found.directory, COMMON_FILE)
+        readable = found is not None and found.layout != NEMO_LAYOUT and found.at().is_file(COMMON_FILE)
         try:
-            run = read_common(found.directory) if readable and found is not None else None
+            run = read_common(found.at()) if readable and found is not None else None
         except InputError as exc:
             if config is None:
                 raise
@@ -140,13 +138,6 @@ def _no_args(found: Found | None) -> str:
     if found.layout == NEMO_LAYOUT:
         return f"a {NEMO_LAYOUT} keeps the model's config in context/, which mpicons does not read"
     return f"{found.directory} holds no {COMMON_FILE} with the run's args"
-
-
-def _iterations(location: str) -> list[str]:
-    try:
-        return sorted(entry for entry in os.listdir(location) if ITERATION_DIR.match(entry))
-    except OSError:
-        return []
 
 
 MEGATRON = Megatron()

@@ -13,7 +13,6 @@ Every file is opened only as a regular file and read with a bound; none is ever 
 from __future__ import annotations
 
 import json
-import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +20,7 @@ from typing import Any
 from ...core.errors import InputError
 from ...core.torch_archive import archive_value
 from ...core.unpickling import AllowList, Record, shown
-from ..base import read_small
+from ...io.places import Place
 
 TRACKER = "latest_checkpointed_iteration.txt"
 BACKEND_FILE = "metadata.json"
@@ -48,10 +47,10 @@ COMMON_ALLOW = AllowList.of(
 )
 
 
-def tracked_iteration(run: str) -> tuple[str, str]:
+def tracked_iteration(run: Place) -> tuple[str, str]:
     """What the run's tracker file names: the iteration's directory name and the iteration in words."""
-    path = os.path.join(run, TRACKER)
-    text = read_small(path, "Megatron's tracker file").decode("utf-8", "replace").strip()
+    path = run.join(TRACKER)
+    text = run.read_small(TRACKER, "Megatron's tracker file").decode("utf-8", "replace").strip()
     if text == "release":
         return "release", "the release checkpoint"
     if not text.isdigit():
@@ -59,11 +58,11 @@ def tracked_iteration(run: str) -> tuple[str, str]:
     return f"iter_{int(text):07d}", f"iteration {int(text)}"
 
 
-def read_backend(directory: str) -> dict[str, Any]:
+def read_backend(directory: Place) -> dict[str, Any]:
     """``metadata.json``: the backend that wrote the shards (only ``torch_dist`` is read)."""
-    path = os.path.join(directory, BACKEND_FILE)
+    path = directory.join(BACKEND_FILE)
     try:
-        found = json.loads(read_small(path, "Megatron's metadata.json"))
+        found = json.loads(directory.read_small(BACKEND_FILE, "Megatron's metadata.json"))
     except (ValueError, RecursionError) as exc:
         raise InputError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(found, dict):
@@ -86,10 +85,14 @@ class RunFacts:
     iteration: int | None
 
 
-def read_common(directory: str) -> RunFacts:
+def read_common(directory: Place) -> RunFacts:
     """``common.pt`` of an iteration directory: the run's args and the iteration."""
-    path = os.path.join(directory, COMMON_FILE)
-    value = archive_value(path, COMMON_ALLOW, "Megatron's common.pt")
+    path = directory.join(COMMON_FILE)
+    source = directory.open(COMMON_FILE)
+    try:
+        value = archive_value(source, COMMON_ALLOW, "Megatron's common.pt")
+    finally:
+        source.close()
     if not isinstance(value, dict):
         raise InputError(f"{path}: holds {shown(value)}, not Megatron's common state (a dict)")
     args = value.get("args")
@@ -108,6 +111,5 @@ __all__ = [
     "RunFacts",
     "read_backend",
     "read_common",
-    "read_small",
     "tracked_iteration",
 ]

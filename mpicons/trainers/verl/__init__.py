@@ -11,13 +11,13 @@ tokenizer) is the model's Hugging Face files unless ``--hf-assets`` names others
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 
 from ...core.byte_sources import ByteSource
 from ...core.errors import InputError
 from ...core.flat_pieces import TrainerLayout
-from ..base import ArchiveFormat, Found, Trainer, entries, read_small
+from ...io.places import Place
+from ..base import ArchiveFormat, Found, Trainer
 from .files import _MODEL, ACTOR, ASSETS, CONFIG, LATEST, check_config, detect
 from .layout import verl_layout
 from .records import VerlRank, read_rank
@@ -50,14 +50,13 @@ class VerlArchives(ArchiveFormat):
         return verl_layout(files, [r for r in records if isinstance(r, VerlRank)], directory, sizes)
 
 
-def _step_of(run: str) -> tuple[str, str] | None:
+def _step_of(run: Place) -> tuple[Place, str] | None:
     """The step directory and its number a run's ``latest_checkpointed_iteration.txt`` names (None: not verl's)."""
-    tracker = os.path.join(run, LATEST)
-    text = read_small(tracker, "verl's latest_checkpointed_iteration.txt").decode("utf-8", "replace").strip()
+    text = run.read_small(LATEST, "verl's latest_checkpointed_iteration.txt").decode("utf-8", "replace").strip()
     if not text.isdigit() or len(text) > 18:
         return None
-    step = os.path.join(run, f"global_step_{int(text)}")
-    return (step, text) if os.path.isdir(os.path.join(step, ACTOR)) else None
+    name = f"global_step_{int(text)}"
+    return (run.child(name), text) if run.is_dir(name) and run.child(name).is_dir(ACTOR) else None
 
 
 class Verl(Trainer):
@@ -65,21 +64,25 @@ class Verl(Trainer):
     title = "verl FSDP actor"
     archives = VerlArchives()
 
-    def recognise(self, location: str) -> Found | None:
+    def recognise(self, place: Place) -> Found | None:
         which, layout = "", ACTOR_LAYOUT
-        if os.path.isfile(os.path.join(location, LATEST)):
-            found = _step_of(location)
+        if place.is_file(LATEST):
+            found = _step_of(place)
             if found is None:
                 return None
-            location, layout, which = found[0], RUN_LAYOUT, f", step {found[1]} (named by {LATEST})"
-        if detect(entries(location), location) is None and os.path.isdir(os.path.join(location, ACTOR)):
-            location, layout = os.path.join(location, ACTOR), layout if which else STEP_LAYOUT
-        if detect(entries(location), location) is None:
+            place, layout, which = found[0], RUN_LAYOUT, f", step {found[1]} (named by {LATEST})"
+        if detect(place.entries(), place.path) is None and place.is_dir(ACTOR):
+            place, layout = place.child(ACTOR), layout if which else STEP_LAYOUT
+        if detect(place.entries(), place.path) is None:
             return None
-        note = f"{self.title} checkpoint{which}: {location}"
-        assets = os.path.join(location, ASSETS)
-        has_assets = os.path.isfile(os.path.join(assets, "config.json"))
-        return Found(self.name, location, layout, (note,), assets=assets if has_assets else None)
+        notes = [f"{self.title} checkpoint{which}: {place.path}"]
+        saved = place.is_dir(ASSETS) and place.child(ASSETS).is_file("config.json")
+        if saved and not place.local:  # the assets are read by path: a bucket's are not downloaded
+            notes.append(
+                f"{place.join(ASSETS)} is not read from object storage: give --hf-assets DIR (a local copy) to publish it"
+            )
+        assets = place.join(ASSETS) if saved and place.local else None
+        return Found(self.name, place.path, layout, tuple(notes), assets=assets, place=place)
 
 
 VERL = Verl()
