@@ -64,20 +64,22 @@ class Place(Protocol):
         ...
 
 
-def read_small(path: str, what: str) -> bytes:
-    """A small file of the checkpoint (at most 1 MiB), opened only as a regular file."""
+def read_small(path: str, what: str, named: str | None = None) -> bytes:
+    """A small file (at most :data:`SMALL_FILE` bytes: a tracker, a config, a rule file), opened only as
+    a regular file (links followed); errors call it ``named`` (default: its path) and say it is not ``what``."""
+    named = path if named is None else named
     try:
         fd = open_regular(path, follow_links=True)
     except NotRegular as exc:
-        raise InputError(f"{path}: {kind_of(exc.mode)}, not {what}") from None
+        raise InputError(f"{named}: {kind_of(exc.mode)}, not {what}") from None
     except OSError as exc:
-        raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
+        raise InputError(f"{named}: cannot read {what} ({exc.strerror})") from None
     try:
         data = read_bounded(fd, SMALL_FILE)
     finally:
         os.close(fd)
     if data is None:
-        raise InputError(f"{path}: larger than {SMALL_FILE >> 20} MiB, not {what}")
+        raise InputError(f"{named}: larger than {SMALL_FILE >> 20} MiB, not {what}")
     return data
 
 

@@ -25,8 +25,7 @@ from ..core.facts import FACT_KEY, piece_destinations
 from ..core.format import DTYPES
 from ..core.options import Options
 from ..core.unpickling import NOTHING, AllowList
-from ..io.places import LocalPlace
-from ..io.regular_files import NotRegular, kind_of, open_regular, read_bounded
+from ..io.places import LocalPlace, read_small
 from ..io.s3 import is_s3
 from ..trainers import TRAINERS, ArchiveFormat, Found, Settled, Trainer, adapter_names, recognise, trainer
 from .model_check import ModelConfig, load_model_config
@@ -37,9 +36,6 @@ if TYPE_CHECKING:
 
 #: ``--adapter none``: the saved names and layouts, even for an input whose trainer would choose its adapter.
 NO_ADAPTER = "none"
-
-#: A rule file larger than this is not a rule file.
-MAX_RULE_FILE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -76,20 +72,9 @@ class Adapter:
 
 def _read_rule_file(path: str) -> str:
     """A user's rule file: a regular file (links followed: it is the user's own), bounded, UTF-8."""
-    try:
-        fd = open_regular(path, follow_links=True)
-    except FileNotFoundError:
-        raise InputError(f"--adapter {path!r}: no such file (built-in adapters: {', '.join(adapter_names())})") from None
-    except NotRegular as exc:
-        raise InputError(f"--adapter {path!r}: {kind_of(exc.mode)}, not a rule file") from None
-    except OSError as exc:
-        raise InputError(f"--adapter {path!r}: cannot read it: {exc.strerror}") from None
-    try:
-        raw = read_bounded(fd, MAX_RULE_FILE)
-    finally:
-        os.close(fd)
-    if raw is None:
-        raise InputError(f"--adapter {path!r}: larger than {MAX_RULE_FILE >> 20} MiB, not a rule file")
+    if not os.path.lexists(path):
+        raise InputError(f"--adapter {path!r}: no such file (built-in adapters: {', '.join(adapter_names())})")
+    raw = read_small(path, "a rule file", named=f"--adapter {path!r}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
