@@ -195,10 +195,12 @@ def _itemsize(stored: Sequence[Stored], directory: str) -> int:
 
 def _skipped(model: ZeroModel, ranked: Sequence[ZeroPartition], stage: int) -> list[str]:
     tensors = sum(p.skipped_tensors for p in ranked)
-    lines = [
-        f"optimizer state (Adam moments, step counters): {count_of(tensors, 'tensor')}, "
-        f"{human_bytes(sum(p.skipped_bytes for p in ranked))} in {count_of(len(ranked), 'file')}, not read"
-    ]
+    lines = []
+    if tensors:  # a checkpoint saved without the optimizer's moments has none to skip
+        lines.append(
+            f"optimizer state (Adam moments, step counters): {count_of(tensors, 'tensor')}, "
+            f"{human_bytes(sum(p.skipped_bytes for p in ranked))} in {count_of(len(ranked), 'file')}, not read"
+        )
     if stage != 3 and model.module_tensors:
         lines.append(
             f"16-bit module weights in {model.file}: {count_of(model.module_tensors, 'tensor')}, "
