@@ -242,3 +242,14 @@ def test_accelerate_fsdp_consolidates_with_its_prefix_removed(given: str, tmp_pa
     result = mpicons.consolidate(folder / given, tmp_path / "out")
     _assert_written(tmp_path / "out", load_tensors(folder / "expected.safetensors"))
     assert any("'model.' prefix removed" in note for note in result.input_notes), result.input_notes
+
+
+def test_archives_in_per_rank_directories_are_refused_with_what_to_do(tmp_path: Path) -> None:
+    """Per-rank directories are for shards; a ZeRO checkpoint copied into them is named, and the way out said."""
+    step = CASES["zero3"][0] / CASES["zero3"][2]
+    for rank in range(2):
+        shutil.copytree(step, tmp_path / f"ckpt-{rank}")
+    proc, _ = cli(2, "consolidate", tmp_path / "ckpt-{rank}", tmp_path / "out", timeout=TIMEOUT)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{tmp_path / 'ckpt-0'} holds a DeepSpeed ZeRO checkpoint" in proc.stderr and "gather them into one" in proc.stderr
+    assert not (tmp_path / "out").exists()

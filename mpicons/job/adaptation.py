@@ -81,9 +81,29 @@ def _read_rule_file(path: str) -> str:
         raise InputError(f"--adapter {path!r}: not a text file (UTF-8)") from None
 
 
+def _refuse_archives_per_rank(input_dir: str) -> None:
+    """Per-rank directories (``{rank}``) hold shards the trainers need not recognise; but per-rank
+    ``torch.save`` archives are read from one location: say so rather than that there are no shards."""
+    first = input_dir.replace("{rank}", "0")
+    try:
+        found = recognise(LocalPlace(first))
+    except InputError:
+        return  # not an archive checkpoint the trainers can read: the scan says what the directory lacks
+    if found is not None and TRAINERS[found.trainer].archives is not None:
+        raise InputError(
+            f"{input_dir}: {found.directory} holds a {TRAINERS[found.trainer].title} checkpoint, whose per-rank "
+            "torch.save files are read from one directory (of a shared filesystem) or one s3:// prefix, not from "
+            "per-rank directories: gather them into one and give that"
+        )
+
+
 def _recognised(input_dir: str | None, endpoint: str | None) -> Found | None:
-    """The trainers asked about the input directory or ``s3://`` prefix (per-rank directories: not asked)."""
-    if input_dir is None or "{rank}" in input_dir:
+    """The trainers asked about the input directory or ``s3://`` prefix (per-rank directories: only
+    whether they hold archives, which are not read from there)."""
+    if input_dir is None:
+        return None
+    if "{rank}" in input_dir:
+        _refuse_archives_per_rank(input_dir)
         return None
     if is_s3(input_dir):
         from ..io.s3_sources import S3Place
