@@ -20,15 +20,16 @@ import numpy as np
 
 from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on
+from ..core.blocks import Block, Segment, block_budget, segment_bytes, segment_offset
 from ..core.checkpoint_checks import Diff, FileResult, Listing, Located, VerifyReport, against_checks, cross_check, diff_problems
 from ..core.completeness import caveat, rank_problem
-from ..core.engine import Block, Segment, block_budget, check_saved_views, segment_bytes, segment_offset
 from ..core.errors import InputError
 from ..core.layout import Layout
 from ..core.options import Options
 from ..core.parts import Part
 from ..core.planner import build_layout
 from ..core.reports import Problem
+from ..core.runs import check_saved_views
 from ..io.hdf5 import HDF5_NAME
 from ..io.s3 import is_s3
 from ..io.sources import SourceFiles

@@ -13,9 +13,9 @@ from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on, wait_for_all
 from ..comm.interrupts import deferred, forget_pending, raise_pending, raising_inside
 from ..core.adapter_hints import trainer_names_note
+from ..core.blocks import block_budget
 from ..core.completeness import rank_problem
 from ..core.convert import prepare_conversion
-from ..core.engine import block_budget, check_saved_views
 from ..core.errors import InputError, MpiconsError
 from ..core.facts import NAMES_NO_OUTPUT
 from ..core.layout import Layout
@@ -26,6 +26,7 @@ from ..core.options import DEFAULT_BUFFER_SIZE, DTYPE_TARGETS, FORMATS, Options
 from ..core.parts import Part
 from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
 from ..core.problems import Problems
+from ..core.runs import check_saved_views
 from ..core.unpickling import NOTHING
 from ..core.upload_parts import MIN_PART, align_work
 from ..io.backends import open_output

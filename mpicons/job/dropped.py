@@ -20,7 +20,7 @@ import numpy as np
 
 from ..comm.agreement import Comm, agree
 from ..core.adapting import Conversion, Dropped
-from ..core.engine import Block, block_budget, check_saved_views, segment_bytes, segment_offset
+from ..core.blocks import Block, block_budget, segment_bytes, segment_offset
 from ..core.errors import InputError
 from ..core.facts import FACT_KEY
 from ..core.format import DTYPE_BY_NAME, DTYPES
@@ -28,6 +28,7 @@ from ..core.layout import Layout, WorkItem
 from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
 from ..core.problems import Problems
 from ..core.reports import count_of
+from ..core.runs import check_saved_views
 from .exchange import feed_blocks
 from .scan import Scanned, distribute, only, open_sources
 

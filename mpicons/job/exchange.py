@@ -2,7 +2,7 @@
 writes everything (``--gather-to``): bytes a writer cannot read come from a rank that can, one
 message per block per reader.
 
-Before writing, each writer computes its blocks (:mod:`mpicons.core.engine`), and for every block and
+Before writing, each writer computes its blocks (:mod:`mpicons.core.blocks`), and for every block and
 every rank holding some of its bytes, the coalesced reads that rank must do; one Alltoallv hands
 every rank its requests. Large contiguous pieces are copied file to file by a rank that can read
 them (delegated with a second Alltoallv) unless the output is gathered on one rank.
@@ -26,22 +26,12 @@ from ..comm import Request, wait_all
 from ..comm.agreement import Comm
 from ..comm.base import EXCHANGE_TAG
 from ..comm.interrupts import deferred, pending_signal
-from ..core.engine import (
-    Assembler,
-    Block,
-    Direct,
-    Runs,
-    Segment,
-    block_budget,
-    blocks,
-    coalesce,
-    direct_pieces,
-    place,
-    plan_item,
-)  # fmt: skip
+from ..core.blocks import Block, Direct, Segment, block_budget, blocks, direct_pieces, plan_item
+from ..core.engine import Assembler, coalesce, place
 from ..core.errors import Interrupted, MpiconsError
 from ..core.layout import Layout
 from ..core.parts import Part
+from ..core.runs import Runs
 from ..core.table import ShardFiles
 from ..io.outputs import OutputBackend
 from ..io.sources import SourceFiles

@@ -1,5 +1,5 @@
 """Writing one rank's part: large contiguous pieces copied file to file, everything else assembled
-block by block (:mod:`mpicons.core.engine`) and written with one large write per block.
+block by block (:mod:`mpicons.core.blocks`, :mod:`mpicons.core.engine`) and written with one large write per block.
 
 With the posix backend, writes and kernel copies run on background threads while the main
 thread reads and assembles the next block (two output buffers alternate), so reading, placing
@@ -15,7 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from ..core.engine import Assembler, Direct, Segment, block_budget, blocks, direct_pieces, plan_item
+from ..core.blocks import Direct, Segment, block_budget, blocks, direct_pieces, plan_item
+from ..core.engine import Assembler
 from ..core.layout import Layout
 from ..core.parts import Part
 from ..io.outputs import OutputBackend
