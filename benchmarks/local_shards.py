@@ -30,7 +30,7 @@ def sample(workdir: Path, size: str) -> Path:
     shared = workdir / "sharded"
     if shared.is_dir() and any(shared.glob("shard-*.safetensors")):
         return shared
-    from mpicons.frontends.cli import parse_size
+    from mpicons.frontends.arguments import parse_size
     from mpicons.sample import SampleConfig, write_sample
 
     write_sample(shared, SampleConfig.sized(parse_size(size)))

@@ -27,7 +27,7 @@ sys.path.insert(0, str(REPO))
 
 from mpicons.core.format import build_header  # noqa: E402
 from mpicons.core.names import shard_file_name  # noqa: E402
-from mpicons.frontends.cli import parse_size  # noqa: E402
+from mpicons.frontends.arguments import parse_size  # noqa: E402
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")
 

@@ -152,7 +152,7 @@ def main() -> None:
     args = _arguments()
     args.workdir.mkdir(parents=True, exist_ok=True)
     shards, described = ensure_sample(args.workdir, args.size)
-    from mpicons.frontends.cli import parse_size as cli_size  # the units --s3-part-size takes (64M = 64 MiB)
+    from mpicons.frontends.arguments import parse_size as cli_size  # the units --s3-part-size takes (64M = 64 MiB)
 
     part_bytes = cli_size(args.part_size)
     cases = [c for c in CASES if not (args.no_s3_s3 and c == "s3-s3")]

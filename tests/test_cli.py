@@ -14,7 +14,8 @@ from helpers import FIXTURES, cli, mpirun, subprocess_env
 
 from mpicons.core.options import Options
 from mpicons.core.reports import count_of, human_size, wrapped
-from mpicons.frontends.cli import build_parser, closing_report, job_options, main, parse_size
+from mpicons.frontends.arguments import build_parser, job_options, parse_size
+from mpicons.frontends.cli import closing_report, main
 from mpicons.job.consolidation import ConsolidateResult
 from mpicons.job.stats import PHASES, Spread, Stats
 

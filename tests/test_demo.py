@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from helpers import FIXTURES, cli
 
-from mpicons.frontends.cli import build_parser
+from mpicons.frontends.arguments import build_parser
 
 #: A user's shards named exactly as the demo's sample names its own (4 training ranks, 2 files).
 SAME_NAMES = FIXTURES / "tp2d-4ranks" / "sharded"
