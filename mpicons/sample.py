@@ -7,7 +7,7 @@ module names their public functions where users import them from.
 
 from __future__ import annotations
 
-from .frontends.sample import SampleConfig, check_sample, expected_mapping, full_tensor, tensor_specs, write_sample
+from .frontends.sample import check_sample, write_sample
 from .frontends.sample_deepspeed import ZeroSampleConfig, write_zero_plain, write_zero_sample, zero_expected_hf
 from .frontends.sample_megatron import (
     MegatronSampleConfig,
@@ -16,6 +16,7 @@ from .frontends.sample_megatron import (
     megatron_values,
     write_megatron_sample,
 )
+from .frontends.sample_model import SampleConfig, expected_mapping, full_tensor, tensor_specs
 
 __all__ = [
     "MegatronSampleConfig",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpicons.frontends import sample
+from mpicons.frontends import sample_model
 from mpicons.sample import SampleConfig, full_tensor
 
 
@@ -15,6 +15,6 @@ def test_chunked_draws_give_the_bytes_of_one_draw(monkeypatch, dtype) -> None:
     config = SampleConfig()
     shape = (37, 11)
     one = np.ascontiguousarray(full_tensor(config, "model.layers.0.mlp.up_proj.weight", dtype, shape)).tobytes()
-    monkeypatch.setattr(sample, "_DRAW", 5)  # 82 chunks, the last one short
+    monkeypatch.setattr(sample_model, "_DRAW", 5)  # 82 chunks, the last one short
     chunked = np.ascontiguousarray(full_tensor(config, "model.layers.0.mlp.up_proj.weight", dtype, shape)).tobytes()
     assert chunked == one

@@ -182,7 +182,8 @@ def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
     from ..job.consolidation import check_buffer_fits, check_options, consolidate
     from ..job.progress import report_columns
     from .demo import DemoDirectory
-    from .sample import SampleConfig, check_sample, sample_file_names, write_sample
+    from .sample import check_sample, sample_file_names, write_sample
+    from .sample_model import SampleConfig
 
     _check_report_paths(comm, args.stats_json)
     options = job_options(args)  # checked, as consolidate checks them, before anything is written

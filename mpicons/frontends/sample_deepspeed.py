@@ -37,8 +37,9 @@ import numpy as np
 from ..core.format import build_header
 from ..core.names import shard_file_name
 from ._pickling import Call, Global, Obj, PersistentId, dumps
-from .sample import SampleConfig, _chunk, _size, full_tensor
+from .sample_distcp import torch_size
 from .sample_megatron import MegatronSampleConfig, hf_specs, megatron_hf_config, write_megatron_hf_assets
+from .sample_model import SampleConfig, chunk_bounds, full_tensor
 
 DS_VERSION = "0.19.8"
 LATEST = "latest"
@@ -228,7 +229,7 @@ def _model_states(c: ZeroSampleConfig, path: str) -> None:
     shared = {"lm_head.weight": "model.embed_tokens.weight"} if c.tied else {}
     state = {
         "module": module, "buffer_names": [], "optimizer": None,
-        "param_shapes": [{name: _size(shape) for name, shape in specs}], "frozen_param_shapes": {},
+        "param_shapes": [{name: torch_size(shape) for name, shape in specs}], "frozen_param_shapes": {},
         "shared_params": shared, "frozen_param_fragments": {}, "lr_scheduler": None, "data_sampler": None,
         "random_ltd": None, "skipped_steps": 0, "global_steps": c.step, "global_samples": c.step * c.world,
         "dp_world_size": c.world, "mp_world_size": 1, "ds_config": _ds_config(c), "ds_version": DS_VERSION,
@@ -339,7 +340,7 @@ def write_zero_plain(directory: str | os.PathLike[str], config: ZeroSampleConfig
     pieces: list[list[tuple[str, int, int]]] = [[] for _ in range(c.world)]
     for name, shape in specs:
         for rank in range(c.world):
-            start, rows = _chunk(shape[0], c.world, rank)
+            start, rows = chunk_bounds(shape[0], c.world, rank)
             if rows:
                 pieces[rank].append((name, start, rows))
     shapes = dict(specs)
@@ -356,7 +357,7 @@ def write_zero_plain(directory: str | os.PathLike[str], config: ZeroSampleConfig
         for name, shape in specs:
             full = full_tensor(values, name, "F32", shape)
             for rank in range(c.world):
-                start, rows = _chunk(shape[0], c.world, rank)
+                start, rows = chunk_bounds(shape[0], c.world, rank)
                 if rows:
                     handles[rank].write(_raw(full[start : start + rows]))
     finally:

@@ -30,7 +30,8 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from ._pickling import Call, Global, Obj, dumps
-from .sample import _METADATA_MODULE, ItemIndex, SampleConfig, _archive, _size, _tensor_pickle, full_tensor
+from .sample_distcp import METADATA_MODULE, tensor_pickle, torch_archive, torch_size
+from .sample_model import ItemIndex, SampleConfig, full_tensor
 
 DTYPE = "BF16"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
@@ -272,9 +273,9 @@ class _Ranks:
     def put(self, rank: int, key: str, offsets: tuple[int, ...] | None, value: np.ndarray | None) -> None:
         """One item: a tensor chunk at ``offsets``, or (``value`` None) an ``_extra_state`` bytes item."""
         if value is None:
-            archive = _archive(dumps([None]), None)
+            archive = torch_archive(dumps([None]), None)
         else:
-            archive = _archive(_tensor_pickle(DTYPE, value.shape), np.ascontiguousarray(value).tobytes())
+            archive = torch_archive(tensor_pickle(DTYPE, value.shape), np.ascontiguousarray(value).tobytes())
         handle = self.handles[rank]
         self.items[(key, offsets)] = (self.names[rank], handle.tell(), len(archive), () if value is None else value.shape)
         self.plans[rank].append((key, offsets))
@@ -311,7 +312,7 @@ def _metadata_pickle(c: MegatronSampleConfig, ranks: _Ranks, checkpoint_id: str)
     """DCP's ``Metadata`` as Megatron-LM pickles it: no planner data, a ``StorageMeta``, and (with
     ``plans``) ``all_local_plans``: per rank a ``SavePlan`` of the ``WriteItem`` s it wrote."""
 
-    def cls(name: str, module: str = _METADATA_MODULE) -> Global:
+    def cls(name: str, module: str = METADATA_MODULE) -> Global:
         return Global(module, name)
 
     properties = Obj(
@@ -322,14 +323,16 @@ def _metadata_pickle(c: MegatronSampleConfig, ranks: _Ranks, checkpoint_id: str)
     shapes = dict(megatron_specs(c))
 
     def chunk(key: str, offsets: tuple[int, ...]) -> Obj:
-        return Obj(cls("ChunkStorageMetadata"), {"offsets": _size(offsets), "sizes": _size(ranks.items[(key, offsets)][3])})
+        return Obj(
+            cls("ChunkStorageMetadata"), {"offsets": torch_size(offsets), "sizes": torch_size(ranks.items[(key, offsets)][3])}
+        )
 
     def index(key: str, offsets: tuple[int, ...] | None) -> Obj:
-        return Obj(cls("MetadataIndex"), {"fqn": key, "offset": None if offsets is None else _size(offsets), "index": None})
+        return Obj(cls("MetadataIndex"), {"fqn": key, "offset": None if offsets is None else torch_size(offsets), "index": None})
 
     chunks: dict[str, list[object]] = {key: [] for key in shapes}
     entries: dict[str, object] = {
-        key: Obj(cls("TensorStorageMetadata"), {"properties": properties, "size": _size(shape), "chunks": chunks[key]})
+        key: Obj(cls("TensorStorageMetadata"), {"properties": properties, "size": torch_size(shape), "chunks": chunks[key]})
         for key, shape in shapes.items()
     }
     storage: dict[object, object] = {}
@@ -356,7 +359,7 @@ def _metadata_pickle(c: MegatronSampleConfig, ranks: _Ranks, checkpoint_id: str)
             kind = Call(Global(_PLANNER_MODULE, "WriteItemType"), (_BYTE_IO if offsets is None else _SHARD,))
             data = None
             if offsets is not None:
-                fields = {"chunk": chunk(key, offsets), "properties": properties, "size": _size(shapes[key])}
+                fields = {"chunk": chunk(key, offsets), "properties": properties, "size": torch_size(shapes[key])}
                 data = Obj(Global(_PLANNER_MODULE, "TensorWriteData"), fields)
             fields = {"index": index(key, offsets), "type": kind, "bytes_io_data": None, "tensor_data": data}
             return Obj(Global(_PLANNER_MODULE, "WriteItem"), fields)
@@ -391,7 +394,7 @@ def _common_pt(c: MegatronSampleConfig, run_dir: str) -> bytes:
         "num_floating_point_operations_so_far": 0,
         "content_metadata": {"singleton_local_shards": False, "chained_optim_avoid_prefix": True},
     }
-    return _archive(dumps(state), None, folder="common")
+    return torch_archive(dumps(state), None, folder="common")
 
 
 # ---------------------------------------------------------------- the Hugging Face side

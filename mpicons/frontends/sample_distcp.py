@@ -1,0 +1,181 @@
+"""The built-in sample in DCP's default format (``.metadata`` + ``__R_0.distcp``), written without torch:
+per piece a ``torch.save`` archive whose ``data.pkl`` rebuilds the tensor (or, serialized as
+safetensors, one blob per file after the items), and DCP's ``Metadata`` pickled as torch pickles it.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import zipfile
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..core.distcp_items import STORAGE_DTYPES
+from ..core.format import DTYPE_BY_NAME, DTYPE_ORDER, build_header
+from ..core.headers import SHARDING_KEY
+from ._pickling import Call, Global, Obj, PersistentId, dumps
+from .sample_model import ItemIndex, SampleConfig, full_tensor, non_tensor_entry, placements_of, tensor_specs
+
+METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_LEGACY_STORAGE = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
+
+
+def torch_size(dims: tuple[int, ...]) -> Call:
+    return Call(Global("torch", "Size"), (tuple(int(d) for d in dims),))
+
+
+def tensor_pickle(dtype: str, shape: tuple[int, ...], stride: tuple[int, ...] | None = None, numel: int | None = None) -> bytes:
+    """``data.pkl`` of ``torch.save`` of a tensor: legacy typed storages where torch uses them.
+
+    ``stride`` (default: row-major) and ``numel``, the storage's elements (default: the tensor's), write
+    what torch writes for views, e.g. a tensor with no elements keeps the strides it had."""
+    if stride is None:
+        strides, step = [], 1
+        for dim in reversed(shape):
+            strides.append(step)
+            step *= dim
+        stride = tuple(reversed(strides))
+    if numel is None:
+        numel = int(np.prod(shape, dtype=np.int64))
+    hooks = Call(Global("collections", "OrderedDict"))
+    legacy = _LEGACY_STORAGE.get(dtype)
+    if legacy is not None:
+        storage = PersistentId(("storage", Global("torch", legacy), "0", "cpu", numel))
+        return dumps(Call(Global("torch._utils", "_rebuild_tensor_v2"), (storage, 0, tuple(shape), stride, False, hooks)))
+    storage = PersistentId(
+        ("storage", Global("torch.storage", "UntypedStorage"), "0", "cpu", numel * DTYPE_BY_NAME[dtype].bits // 8)
+    )
+    dtype_global = Global("torch", str(DTYPE_BY_NAME[dtype].torch))
+    return dumps(
+        Call(Global("torch._utils", "_rebuild_tensor_v3"), (storage, 0, tuple(shape), stride, False, hooks, dtype_global))
+    )
+
+
+def torch_archive(data_pkl: bytes, data: bytes | None, folder: str = "archive") -> bytes:
+    """A ``torch.save`` zip archive: stored members under ``folder/`` (torch.save names it after the
+    file it writes, e.g. ``common/`` for ``common.pt``; DCP's items use ``archive/``)."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        archive.writestr(f"{folder}/data.pkl", data_pkl)
+        archive.writestr(f"{folder}/byteorder", "little")
+        if data is not None:
+            archive.writestr(f"{folder}/data/0", data)
+        archive.writestr(f"{folder}/version", "3\n")
+    return buffer.getvalue()
+
+
+def write_distcp_ranks(
+    directory: str, c: SampleConfig, train_ranks: range, keep: Callable[[str, str], bool], serialization: str, mode: str = "wb"
+) -> ItemIndex:
+    """Write ``__R_0.distcp`` for training ranks ``train_ranks``; returns (name, chunk offsets) → (file, offset, length)."""
+    if serialization not in ("torch_save", "safetensors"):
+        raise ValueError(f"unknown serialization {serialization!r} (torch_save or safetensors)")
+    placements = placements_of(c)
+    names = {r: f"__{r}_0.distcp" for r in train_ranks}
+    handles: dict[int, Any] = {}
+    try:
+        for r in train_ranks:
+            handles[r] = open(os.path.join(directory, names[r]), mode)
+    except BaseException:
+        for handle in handles.values():
+            handle.close()
+        raise
+    items: ItemIndex = {}
+    blobs: dict[int, list[tuple[str, str, np.ndarray, tuple[int, ...]]]] = {r: [] for r in train_ranks}
+    try:
+        if 0 in handles:  # non-tensor items come first, as torch writes them
+            archive = torch_archive(dumps(1000), None)
+            items[(non_tensor_entry(c), None)] = (names[0], 0, len(archive), ())
+            handles[0].write(archive)
+        for name, dtype, shape, placement, _ in tensor_specs(c):
+            if not keep(name, dtype):
+                continue
+            full = full_tensor(c, name, dtype, shape)
+            for r in train_ranks:
+                box = placements[placement](shape, r // c.tp, r % c.tp)
+                if box is None:
+                    continue
+                offsets, size = box
+                piece = np.ascontiguousarray(full[tuple(slice(o, o + n) for o, n in zip(offsets, size))])
+                if serialization == "safetensors":
+                    blobs[r].append((name, dtype, piece, offsets))
+                    continue
+                archive = torch_archive(tensor_pickle(dtype, tuple(size)), piece.tobytes())
+                items[(name, tuple(offsets))] = (names[r], handles[r].tell(), len(archive), tuple(size))
+                handles[r].write(archive)
+        for r, pieces in blobs.items():  # DCP's safetensors serialization: one blob per file, after the items
+            start = handles[r].tell()
+            for name, _, piece, offsets in pieces:
+                items[(name, tuple(offsets))] = (names[r], start, piece.nbytes, piece.shape)
+            if pieces:
+                _write_blob(handles[r], pieces)
+    finally:
+        for handle in handles.values():
+            handle.close()
+    return items
+
+
+def _write_blob(handle: Any, pieces: list[tuple[str, str, np.ndarray, tuple[int, ...]]]) -> None:
+    pieces = sorted(pieces, key=lambda p: (DTYPE_ORDER[p[1]], p[0]))
+    info = {name: {"saved_offsets": list(offsets)} for name, _, _, offsets in pieces}
+    metadata = {SHARDING_KEY: json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"}
+    header, _ = build_header([(name, dtype, data.shape) for name, dtype, data, _ in pieces], metadata)
+    handle.write(header)
+    for _, _, data, _ in pieces:
+        handle.write(data.tobytes())
+
+
+def metadata_pickle(
+    c: SampleConfig,
+    keep: Callable[[str, str], bool],
+    items: ItemIndex,
+) -> bytes:
+    """DCP's ``Metadata`` for the items written, as torch pickles it."""
+
+    def cls(name: str, module: str = METADATA_MODULE) -> Global:
+        return Global(module, name)
+
+    entries: dict[str, object] = {}
+    planner: dict[str, object] = {}
+    storage: dict[object, object] = {}
+    specs = [s for s in tensor_specs(c) if keep(s[0], s[1])]
+    chunks_of: dict[str, list[tuple[int, ...]]] = {}
+    for name, chunk in sorted(items, key=lambda key: (key[0], key[1] or ())):
+        if chunk is not None:
+            chunks_of.setdefault(name, []).append(chunk)
+    for name, dtype, shape, _, _ in specs:
+        boxes = [
+            Obj(cls("ChunkStorageMetadata"), {"offsets": torch_size(offsets), "sizes": torch_size(items[(name, offsets)][3])})
+            for offsets in chunks_of.get(name, [])
+        ]
+        layout = Call(Global("torch.serialization", "_get_layout"), ("torch.strided",))
+        memory = Call(cls("_MEM_FORMAT_ENCODING"), (0,))
+        torch_dtype = Global("torch", str(DTYPE_BY_NAME[dtype].torch))
+        properties = Obj(cls("TensorProperties"), (torch_dtype, layout, False, memory, False))
+        entries[name] = Obj(cls("TensorStorageMetadata"), {"properties": properties, "size": torch_size(shape), "chunks": boxes})
+        planner[name] = (name,)
+    entries[non_tensor_entry(c)] = Obj(cls("BytesStorageMetadata"))
+    planner[non_tensor_entry(c)] = (non_tensor_entry(c),)
+    for (name, chunk), (file, offset, length, _) in sorted(items.items(), key=lambda kv: (kv[0][0], kv[0][1] or ())):
+        key = Obj(cls("MetadataIndex"), {"fqn": name, "offset": None if chunk is None else torch_size(chunk), "index": 0})
+        info = Obj(
+            cls("_StorageInfo", "torch.distributed.checkpoint.filesystem"),
+            {"relative_path": file, "offset": offset, "length": length},
+        )
+        storage[key] = info
+    return dumps(
+        Obj(
+            cls("Metadata"),
+            {
+                "state_dict_metadata": entries,
+                "planner_data": planner,
+                "storage_data": storage,
+                "storage_meta": None,
+                "version": "1.0.0",
+            },
+        )
+    )
