@@ -110,7 +110,8 @@ def test_planning_memory_is_the_ranks_share_of_the_pieces(mpi_tmp_path):
 
     from mpicons.comm import as_communicator
     from mpicons.core.planner import build_layout
-    from mpicons.job.scan import distribute, scan
+    from mpicons.job.scan import scan
+    from mpicons.job.shares import distribute
 
     comm = as_communicator(MPI.COMM_WORLD)
     training_ranks, tensors = 256, 500

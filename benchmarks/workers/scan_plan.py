@@ -22,7 +22,8 @@ def measure(directory: Path, result: Path) -> None:
     sys.path.insert(0, str(REPO))
     from mpicons.comm import as_communicator
     from mpicons.core.planner import build_layout
-    from mpicons.job.scan import distribute, scan
+    from mpicons.job.scan import scan
+    from mpicons.job.shares import distribute
 
     comm = MPI.COMM_WORLD
     wrapped = as_communicator(comm)  # mpicons' communicator interface over the same MPI communicator

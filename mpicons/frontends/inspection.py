@@ -40,7 +40,7 @@ from ..job.adaptation import convert_scanned, load_adapter
 from ..job.archive_scan import scan_input
 from ..job.consolidation import layout_of, load_mapping, mapping_of
 from ..job.model_check import judge, layout_tensors
-from ..job.scan import distribute, select
+from ..job.shares import distribute, select
 from ..trainers import rule_sets_reading
 
 #: Width the table output is laid out for.

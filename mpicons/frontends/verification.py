@@ -38,7 +38,8 @@ from ..job.archive_scan import scan_input
 from ..job.consolidation import check_buffer_fits
 from ..job.exchange import feed_blocks
 from ..job.model_check import judge, layout_tensors
-from ..job.scan import Scanned, distribute, open_sources, select
+from ..job.scan import Scanned, open_sources
+from ..job.shares import distribute, select
 from ..trainers import known_rule_sets
 from .output_reading import MAX_INDEX_SIZE, OutputFiles, check_file, list_output, open_regular
 

@@ -46,7 +46,8 @@ from .model_check import ModelConfig, check_model_shapes
 from .progress import Progress
 from .replicas import check_replicas
 from .s3_publish import S3Publish, check_s3_options
-from .scan import Scanned, distribute, open_sources, open_store, rank_directory, select
+from .scan import Scanned, open_sources, open_store, rank_directory
+from .shares import distribute, select
 from .stats import PhaseClock, Stats, reduce_stats
 from .writer import Writer
 

@@ -30,7 +30,8 @@ from ..core.problems import Problems
 from ..core.reports import count_of
 from ..core.runs import check_saved_views
 from .exchange import feed_blocks
-from .scan import Scanned, distribute, only, open_sources
+from .scan import Scanned, open_sources
+from .shares import distribute, only
 
 #: Dtypes whose zero may be negative (the sign bit alone set): -0.0 holds nothing either.
 _SIGNED_ZERO = {"F64", "F32", "BF16", "F16", "F8_E4M3", "F8_E5M2"}
