@@ -69,7 +69,7 @@ def test_a_run_in_a_bucket_gives_the_engines_weights(case: str, tmp_path: Path, 
     assert phrase in notes and url in notes, notes
 
 
-def test_inspect_of_a_run_in_a_bucket_says_what_it_says_on_disk(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
+def test_inspect_and_verify_read_a_run_in_a_bucket_as_on_disk(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
     run = FIXTURES / CASES["zero3"][0]
     url = upload_tree(s3_endpoint, s3_bucket, run, "inspect")
     on_disk, in_bucket = inspect(run).to_dict(), inspect(url, s3_endpoint=s3_endpoint).to_dict()
@@ -77,6 +77,9 @@ def test_inspect_of_a_run_in_a_bucket_says_what_it_says_on_disk(tmp_path: Path, 
         report.pop("input_dir")
         report.pop("notes", None)
     assert in_bucket == on_disk and in_bucket["ok"]
+    mpicons.consolidate(run, tmp_path / "out")
+    report = mpicons.verify(tmp_path / "out", against=url, s3_endpoint=s3_endpoint)
+    assert report.ok and not report.problems
 
 
 def test_a_place_in_a_bucket_reads_as_the_directory(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
