@@ -326,14 +326,7 @@ def _scan_distcp(
     data_sizes = [sizes[i] if i >= 0 else 0 for i in listed]
     readers = assign_readers(data_holders, len(data_files), comm.size)
     width = size.shape[1]
-    records = np.empty(0 if table is None else len(table.tensor), dtype=_item_records(width))
-    if table is not None:
-        for column in ("tensor", "file", "item_offset", "item_length", "shape", "offset"):
-            records[column] = getattr(table, column)
-        records["dtype"], records["ndim"] = table.dtype[table.tensor], table.ndim[table.tensor]
-        absent = [f for f, i in enumerate(listed) if i < 0]
-        if absent:
-            records = records[~np.isin(records["file"], absent)]
+    records = _item_table(table, [f for f, i in enumerate(listed) if i < 0], width)
     destination = readers[records["file"]] if len(records) else np.zeros(0, dtype=np.int32)
     del table
     mine = exchange(comm, records, destination)
@@ -346,17 +339,7 @@ def _scan_distcp(
         readable = ~np.isin(mine["tensor"], [position[name] for name in problems])
         mine, begins = mine[readable], begins[readable]
         strides = None if strides is None else strides[readable]
-    pieces = Pieces(
-        tensor=mine["tensor"].copy(),
-        file=mine["file"].copy(),
-        dtype=mine["dtype"].copy(),
-        ndim=mine["ndim"].copy(),
-        shape=mine["shape"].reshape(len(mine), width).copy(),
-        offset=mine["offset"].reshape(len(mine), width).copy(),
-        begin=begins,
-        holder=np.full(len(mine), comm.rank, dtype=np.int32),
-        stride=strides,
-    )
+    pieces = _located_pieces(mine, begins, strides, width, comm.rank)
     files = _distcp_files(data_files, data_sizes, data_holders)
     misaligned = to_storage_units(pieces)
     facts = reduce_facts(comm, pieces, len(tensor_names), width, piece_destinations(files), misaligned)
@@ -375,6 +358,34 @@ def _scan_distcp(
         unreadable=problems,
         listing=listing,
         inputs=store,
+    )
+
+
+def _item_table(table: DistcpTable | None, absent: list[int], width: int) -> np.ndarray:
+    """The metadata's pieces as records to send to their data files' readers (none on a rank that did
+    not read it), without those of the data files in ``absent`` (seen by no rank)."""
+    records = np.empty(0 if table is None else len(table.tensor), dtype=_item_records(width))
+    if table is not None:
+        for column in ("tensor", "file", "item_offset", "item_length", "shape", "offset"):
+            records[column] = getattr(table, column)
+        records["dtype"], records["ndim"] = table.dtype[table.tensor], table.ndim[table.tensor]
+        if absent:
+            records = records[~np.isin(records["file"], absent)]
+    return records
+
+
+def _located_pieces(mine: np.ndarray, begins: np.ndarray, strides: np.ndarray | None, width: int, rank: int) -> Pieces:
+    """The pieces whose bytes this rank found in its data files (``begins``: where each starts)."""
+    return Pieces(
+        tensor=mine["tensor"].copy(),
+        file=mine["file"].copy(),
+        dtype=mine["dtype"].copy(),
+        ndim=mine["ndim"].copy(),
+        shape=mine["shape"].reshape(len(mine), width).copy(),
+        offset=mine["offset"].reshape(len(mine), width).copy(),
+        begin=begins,
+        holder=np.full(len(mine), rank, dtype=np.int32),
+        stride=strides,
     )
 
 
