@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import zipfile
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from ..core.distcp_items import STORAGE_DTYPES
 from ..core.format import DTYPE_BY_NAME, DTYPE_ORDER, build_header
 from ..core.headers import SHARDING_KEY
 from ._pickling import Call, Global, Obj, PersistentId, dumps
-from .sample_model import ItemIndex, SampleConfig, full_tensor, non_tensor_entry, placements_of, tensor_specs
+from .sample_model import ItemIndex, SampleConfig, Spec, full_tensor, non_tensor_entry, placements_of, tensor_specs
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"
 _LEGACY_STORAGE = {dtype: name for name, dtype in STORAGE_DTYPES.items()}
@@ -71,10 +72,10 @@ def torch_archive(data_pkl: bytes, data: bytes | None, folder: str = "archive") 
 def write_distcp_ranks(
     directory: str, c: SampleConfig, train_ranks: range, keep: Callable[[str, str], bool], serialization: str, mode: str = "wb"
 ) -> ItemIndex:
-    """Write ``__R_0.distcp`` for training ranks ``train_ranks``; returns (name, chunk offsets) → (file, offset, length)."""
+    """Write ``__R_0.distcp`` for training ranks ``train_ranks``, one full tensor at a time (memory is the
+    largest tensor, whatever the files' sizes); returns (name, chunk offsets) → (file, offset, length)."""
     if serialization not in ("torch_save", "safetensors"):
         raise ValueError(f"unknown serialization {serialization!r} (torch_save or safetensors)")
-    placements = placements_of(c)
     names = {r: f"__{r}_0.distcp" for r in train_ranks}
     handles: dict[int, Any] = {}
     try:
@@ -85,48 +86,55 @@ def write_distcp_ranks(
             handle.close()
         raise
     items: ItemIndex = {}
-    blobs: dict[int, list[tuple[str, str, np.ndarray, tuple[int, ...]]]] = {r: [] for r in train_ranks}
     try:
         if 0 in handles:  # non-tensor items come first, as torch writes them
             archive = torch_archive(dumps(1000), None)
             items[(non_tensor_entry(c), None)] = (names[0], 0, len(archive), ())
             handles[0].write(archive)
-        for name, dtype, shape, placement, _ in tensor_specs(c):
-            if not keep(name, dtype):
-                continue
+        specs = [spec for spec in tensor_specs(c) if keep(spec[0], spec[1])]
+        if serialization == "safetensors":  # DCP's safetensors serialization: one blob per file, after the items
+            specs.sort(key=lambda spec: (DTYPE_ORDER[spec[1]], spec[0]))
+            for r, handle in handles.items():
+                items.update(_blob_header(handle, names[r], c, specs, r))
+        placements = placements_of(c)
+        for name, dtype, shape, placement, _ in specs:
             full = full_tensor(c, name, dtype, shape)
-            for r in train_ranks:
+            for r, handle in handles.items():
                 box = placements[placement](shape, r // c.tp, r % c.tp)
                 if box is None:
                     continue
                 offsets, size = box
-                piece = np.ascontiguousarray(full[tuple(slice(o, o + n) for o, n in zip(offsets, size))])
-                if serialization == "safetensors":
-                    blobs[r].append((name, dtype, piece, offsets))
-                    continue
-                archive = torch_archive(tensor_pickle(dtype, tuple(size)), piece.tobytes())
-                items[(name, tuple(offsets))] = (names[r], handles[r].tell(), len(archive), tuple(size))
-                handles[r].write(archive)
-        for r, pieces in blobs.items():  # DCP's safetensors serialization: one blob per file, after the items
-            start = handles[r].tell()
-            for name, _, piece, offsets in pieces:
-                items[(name, tuple(offsets))] = (names[r], start, piece.nbytes, piece.shape)
-            if pieces:
-                _write_blob(handles[r], pieces)
+                data = np.ascontiguousarray(full[tuple(slice(o, o + n) for o, n in zip(offsets, size))]).tobytes()
+                if serialization == "torch_save":  # an archive per piece, in the order the tensors come
+                    data = torch_archive(tensor_pickle(dtype, tuple(size)), data)
+                    items[(name, tuple(offsets))] = (names[r], handle.tell(), len(data), tuple(size))
+                handle.write(data)
     finally:
         for handle in handles.values():
             handle.close()
     return items
 
 
-def _write_blob(handle: Any, pieces: list[tuple[str, str, np.ndarray, tuple[int, ...]]]) -> None:
-    pieces = sorted(pieces, key=lambda p: (DTYPE_ORDER[p[1]], p[0]))
-    info = {name: {"saved_offsets": list(offsets)} for name, _, _, offsets in pieces}
+def _blob_header(handle: Any, file: str, c: SampleConfig, specs: list[Spec], rank: int) -> ItemIndex:
+    """Write the header of training rank ``rank``'s safetensors blob (its pieces of ``specs``, in the
+    blob's order); every piece's item is the blob, found in it by name."""
+    placements = placements_of(c)
+    held = []
+    for name, dtype, shape, placement, _ in specs:
+        box = placements[placement](shape, rank // c.tp, rank % c.tp)
+        if box is not None:
+            held.append((name, dtype, box))
+    if not held:
+        return {}
+    start = handle.tell()
+    info = {name: {"saved_offsets": list(offsets)} for name, _, (offsets, _) in held}
     metadata = {SHARDING_KEY: json.dumps(info), "DCP_VERSION": "1.0", "format": "pt"}
-    header, _ = build_header([(name, dtype, data.shape) for name, dtype, data, _ in pieces], metadata)
+    header, _ = build_header([(name, dtype, tuple(size)) for name, dtype, (_, size) in held], metadata)
     handle.write(header)
-    for _, _, data, _ in pieces:
-        handle.write(data.tobytes())
+    return {
+        (name, tuple(offsets)): (file, start, math.prod(size) * DTYPE_BY_NAME[dtype].bits // 8, tuple(size))
+        for name, dtype, (offsets, size) in held
+    }
 
 
 def metadata_pickle(
