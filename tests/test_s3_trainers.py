@@ -10,6 +10,7 @@ must say the same of it; and what the trainers say of a damaged run must name th
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from mpi4py import MPI
 import mpicons
 from mpicons.core.errors import InputError
 from mpicons.frontends.inspection import inspect
+from mpicons.io.assets import read_assets
 from mpicons.io.places import SMALL_FILE, LocalPlace
 from mpicons.io.s3_sources import S3Place
 
@@ -93,7 +95,7 @@ def test_a_place_in_a_bucket_reads_as_the_directory(tmp_path: Path, s3_endpoint:
     (tree / "empty").write_bytes(b"")
     url = upload_tree(s3_endpoint, s3_bucket, tree, "places/run")
     disk, bucket = LocalPlace(str(tree)), S3Place.at(url, s3_endpoint)
-    assert bucket.path == url and bucket.name == "run" and not bucket.local
+    assert bucket.path == url and bucket.name == "run"
     assert bucket.entries() == disk.entries() == ["a", "big", "empty", "latest"]
     for name in ["a", "latest", "big", "nothing"]:
         assert (bucket.is_file(name), bucket.is_dir(name)) == (disk.is_file(name), disk.is_dir(name)), name
@@ -130,15 +132,50 @@ def test_megatron_iterations_without_their_tracker_are_named(tmp_path: Path, s3_
         mpicons.consolidate(f"s3://{s3_bucket}/untracked", tmp_path / "out", s3_endpoint=s3_endpoint)
 
 
-def test_verl_s_assets_in_a_bucket_are_named_and_hf_assets_publishes_them(
-    tmp_path: Path, s3_endpoint: str, s3_bucket: str
-) -> None:
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file() and not p.name.endswith(".safetensors")}
+
+
+def test_verl_s_hugging_face_files_in_the_bucket_are_published(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
     run = FIXTURES / "verl/llama-fsdp2/checkpoint"
     url = upload_tree(s3_endpoint, s3_bucket, run, "verl-assets")
-    assets = run / "global_step_1/actor/huggingface"
-    result = mpicons.consolidate(url, tmp_path / "out", s3_endpoint=s3_endpoint, hf_assets=str(assets))
-    assert any("huggingface is not read from object storage" in note for note in result.input_notes), result.input_notes
-    assert json.loads((tmp_path / "out" / "config.json").read_text()) == json.loads((assets / "config.json").read_text())
+    mpicons.consolidate(run, tmp_path / "from-disk")
+    result = mpicons.consolidate(url, tmp_path / "from-bucket", s3_endpoint=s3_endpoint)
+    published = _files(tmp_path / "from-bucket")
+    assert published == _files(tmp_path / "from-disk") and "tokenizer.json" in published and "config.json" in published
+    assert sorted(result.assets) == sorted(p for p in published if p != "model.safetensors.index.json")
+
+
+def test_hf_assets_from_a_bucket_into_files_and_into_a_bucket(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
+    """``--hf-assets s3://...``: the prefix's files published as a local directory's are, weights and
+    sub-prefixes left out (and said), into a directory and into a bucket."""
+    run = FIXTURES / CASES["zero3"][0]
+    assets = tmp_path / "hf"
+    shutil.copytree(FIXTURES / "deepspeed/llama-zero3/hf", assets)
+    (assets / "model.safetensors").write_bytes(b"not copied")
+    (assets / "extra").mkdir()
+    (assets / "extra" / "notes.txt").write_text("not copied")
+    url = upload_tree(s3_endpoint, s3_bucket, assets, "base/hf")
+    local = mpicons.consolidate(run, tmp_path / "with-local", hf_assets=str(assets), dtype="bf16")
+    remote = mpicons.consolidate(run, tmp_path / "with-remote", hf_assets=url, s3_endpoint=s3_endpoint, dtype="bf16")
+    assert _files(tmp_path / "with-remote") == _files(tmp_path / "with-local")
+    assert json.loads((tmp_path / "with-remote" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert remote.assets == local.assets == ["config.json", "generation_config.json"]
+    read = read_assets(url, s3_endpoint)
+    on_disk = [note.replace(str(assets), "HF") for note in read_assets(assets).notes]
+    assert [note.replace(url, "HF") for note in read.notes] == on_disk
+    assert "left out subdirectory 'extra/' of" in read.notes[0] and "model.safetensors" in read.notes[1], read.notes
+    mpicons.consolidate(run, f"s3://{s3_bucket}/out", hf_assets=url, s3_endpoint=s3_endpoint, dtype="bf16")
+    client = s3server.client(s3_endpoint)
+    for name, data in _files(tmp_path / "with-local").items():
+        assert client.get_object(Bucket=s3_bucket, Key=f"out/{name}")["Body"].read() == data, name
+
+
+def test_hf_assets_naming_an_empty_prefix_is_bad_input(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
+    with pytest.raises(InputError, match=f"s3://{s3_bucket}/nothing: no objects there"):
+        run, nothing = FIXTURES / CASES["zero3"][0], f"s3://{s3_bucket}/nothing"
+        mpicons.consolidate(run, tmp_path / "out", hf_assets=nothing, s3_endpoint=s3_endpoint)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.mpi

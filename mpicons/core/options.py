@@ -130,7 +130,8 @@ class Options:
     )
     hf_assets: str | os.PathLike[str] | None = _option(
         None,
-        "A directory of the model's Hugging Face files (``config.json``, tokenizer files, ``generation_config.json``; "
+        "A directory (or an ``s3://`` prefix) of the model's Hugging Face files (``config.json``, tokenizer files, "
+        "``generation_config.json``; "
         "optionally ``model.safetensors.index.json``, whose ``weight_map`` then decides the output files). They are "
         "published with the weights, in the same transaction. Required by an adapter whose rules read the config. "
         "Every output tensor the model has must have the model's shape (also with a ``config.json`` beside the "

@@ -313,8 +313,8 @@ def _add_selection_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--hf-assets",
         metavar="DIR",
-        help="the model's Hugging Face files (config.json, tokenizer, ...): published with the weights; "
-        "its model.safetensors.index.json, if any, decides the output files",
+        help="the model's Hugging Face files (config.json, tokenizer, ...), a directory or an s3:// prefix: "
+        "published with the weights; its model.safetensors.index.json, if any, decides the output files",
     )
     cmd.add_argument(
         "--s3-endpoint",

@@ -9,7 +9,8 @@ directory with weights and no config, or the reverse.
 
 Only regular files directly in DIR are copied (a link is followed only to a regular file); the
 weights and indexes found there are not (mpicons writes its own), nor are hidden entries and
-subdirectories. Copies are made in blocks in the kernel, never a whole file in memory.
+subdirectories. Copies are made in blocks in the kernel, never a whole file in memory. DIR may be an
+``s3://`` prefix: its objects are sorted the same way and read whole (:attr:`HFAssets.contents`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import fnmatch
 import json
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +31,7 @@ from ..core.names import CHECKPOINT_FILE, INDEX_NAME, SHARD_FILE
 from ..core.options import DTYPE_TARGETS
 from .journal import describe_names
 from .regular_files import NotRegular, kind_of, open_regular, read_bounded
+from .s3 import is_s3
 from .sources import MAX_TRANSFER
 
 CONFIG_NAME = "config.json"
@@ -74,11 +77,17 @@ class HFAssets:
     #: ``config.json``'s bytes as parsed: what is published (when no dtype is set), so the config in the
     #: output is the one this run's rules read, even if the file changes meanwhile.
     config_bytes: bytes | None = field(default=None, repr=False)
+    #: Every file's bytes, read at once when the assets are in object storage (``s3://``): they travel
+    #: with the job's agreed settings, so whichever rank publishes has them. None: read from the directory.
+    contents: dict[str, bytes] | None = field(default=None, repr=False)
 
 
-def read_assets(directory: str | os.PathLike[str]) -> HFAssets:
-    """Read DIR's config and index and decide which files to copy; :class:`InputError` when DIR is unusable."""
+def read_assets(directory: str | os.PathLike[str], endpoint: str | None = None) -> HFAssets:
+    """Read DIR's config and index and decide which files to copy; :class:`InputError` when DIR is unusable.
+    An ``s3://`` prefix (``endpoint``: the S3 API's) is read whole: its files are small."""
     path = os.fspath(directory)
+    if is_s3(path):
+        return _read_object_assets(path, endpoint)
     _check_directory(path)
     kept: list[str] = []
     subdirectories: list[str] = []
@@ -105,19 +114,72 @@ def read_assets(directory: str | os.PathLike[str]) -> HFAssets:
             raise _not_regular(full, mode)
         else:
             kept.append(name)
-    config_bytes = _read_file(os.path.join(path, CONFIG_NAME)) if CONFIG_NAME in kept else None
+    sorted_out = _SortedEntries(kept, subdirectories, weights, hidden, has_index)
+    return _assets(path, sorted_out, lambda name: _read_file(os.path.join(path, name)))
+
+
+@dataclass
+class _SortedEntries:
+    """An assets location's entries by what is done with them."""
+
+    kept: list[str] = field(default_factory=list)  # copied
+    subdirectories: list[str] = field(default_factory=list)
+    weights: list[str] = field(default_factory=list)  # never read
+    hidden: list[str] = field(default_factory=list)
+    has_index: bool = False  # model.safetensors.index.json: read for its weight_map
+
+
+def _assets(
+    path: str, entries: _SortedEntries, read: Callable[[str], bytes], contents: dict[str, bytes] | None = None
+) -> HFAssets:
+    """The assets at ``path`` from its sorted entries, the config and index read through ``read``."""
+    kept = entries.kept
+    config_bytes = read(CONFIG_NAME) if CONFIG_NAME in kept else None
     config = None if config_bytes is None else _parse_config(os.path.join(path, CONFIG_NAME), config_bytes)
     index_path = os.path.join(path, INDEX_NAME)
-    weight_map = _parse_index(index_path, _read_file(index_path)) if has_index else None
+    weight_map = _parse_index(index_path, read(INDEX_NAME)) if entries.has_index else None
     _refuse_reserved(path, kept, weight_map)
-    notes = [f"left out subdirectory '{name}/' of {path} (only files directly in it are copied)" for name in subdirectories]
-    if weights:
-        notes.append(f"left out {describe_names(weights)} of {path}: weights, which mpicons writes itself")
-    if has_index:
+    notes = [
+        f"left out subdirectory '{name}/' of {path} (only files directly in it are copied)" for name in entries.subdirectories
+    ]
+    if entries.weights:
+        notes.append(f"left out {describe_names(entries.weights)} of {path}: weights, which mpicons writes itself")
+    if entries.has_index:
         notes.append(f"{index_path}: its weight_map decides the output files; mpicons writes its own index")
-    if hidden:
-        notes.append(f"left out hidden {describe_names(hidden)} of {path}")
-    return HFAssets(path, config, weight_map, tuple(kept), tuple(notes), config_bytes)
+    if entries.hidden:
+        notes.append(f"left out hidden {describe_names(entries.hidden)} of {path}")
+    return HFAssets(path, config, weight_map, tuple(kept), tuple(notes), config_bytes, contents)
+
+
+def _read_object_assets(url: str, endpoint: str | None) -> HFAssets:
+    """The assets under an ``s3://`` prefix: the objects directly under it sorted as a directory's
+    entries are (a sub-prefix is a subdirectory), the kept ones read whole, each at most :data:`READ_LIMIT`."""
+    from .s3_sources import S3Place
+
+    place = S3Place.at(url, endpoint)
+    names = place.entries()
+    if not names:
+        raise InputError(
+            f"{url}: no objects there (--hf-assets names the prefix holding the model's config.json and tokenizer files)"
+        )
+    entries = _SortedEntries()
+    for name in names:
+        if _is_weight(name) and place.is_file(name):
+            entries.has_index |= name == INDEX_NAME
+            if name != INDEX_NAME:
+                entries.weights.append(name)
+        elif name.startswith("."):
+            entries.hidden.append(name)
+        elif place.is_file(name):
+            entries.kept.append(name)
+        else:
+            entries.subdirectories.append(name)
+
+    def read(name: str) -> bytes:
+        return place.read_small(name, "a file mpicons reads from --hf-assets", limit=READ_LIMIT)
+
+    contents = {name: read(name) for name in entries.kept}
+    return _assets(url, entries, lambda name: contents[name] if name in contents else read(name), contents)
 
 
 def read_config(path: str) -> dict[str, Any]:
@@ -163,6 +225,8 @@ def stage_assets(assets: HFAssets, staging: str, dtype: str | None, durable: boo
                 _stage_file(target, durable, data=render_config(config_with_dtype(assets.config, dtype)))
             elif name == CONFIG_NAME and assets.config_bytes is not None:
                 _stage_file(target, durable, data=assets.config_bytes)
+            elif assets.contents is not None:
+                _stage_file(target, durable, data=assets.contents[name])
             else:
                 _stage_file(target, durable, source=os.path.join(assets.directory, name))
             staged.append(name)
@@ -380,6 +444,8 @@ def asset_bytes(assets: HFAssets, dtype: str | None) -> dict[str, bytes]:
             payloads[name] = render_config(config_with_dtype(assets.config, dtype))
         elif name == CONFIG_NAME and assets.config_bytes is not None:
             payloads[name] = assets.config_bytes
+        elif assets.contents is not None:
+            payloads[name] = assets.contents[name]
         else:
             payloads[name] = _read_file(os.path.join(assets.directory, name))
     return payloads

@@ -27,9 +27,6 @@ class Place(Protocol):
     path: str
     #: Its last component (``iter_0000010``, ``actor``).
     name: str
-    #: A directory of this machine: files beside the checkpoint (its Hugging Face files) can be read
-    #: by path.
-    local: bool
 
     def entries(self) -> list[str]:
         """The names of the files and folders directly in it, sorted (none when it cannot be listed)."""
@@ -55,8 +52,8 @@ class Place(Protocol):
         """The path or URL of ``name`` in it, for messages."""
         ...
 
-    def read_small(self, name: str, what: str) -> bytes:
-        """File ``name`` (at most :data:`SMALL_FILE` bytes), described as ``what`` in errors."""
+    def read_small(self, name: str, what: str, limit: int = SMALL_FILE) -> bytes:
+        """File ``name`` (at most ``limit`` bytes), described as ``what`` in errors."""
         ...
 
     def open(self, name: str) -> ByteSource:
@@ -64,9 +61,9 @@ class Place(Protocol):
         ...
 
 
-def read_small(path: str, what: str, named: str | None = None) -> bytes:
-    """A small file (at most :data:`SMALL_FILE` bytes: a tracker, a config, a rule file), opened only as
-    a regular file (links followed); errors call it ``named`` (default: its path) and say it is not ``what``."""
+def read_small(path: str, what: str, named: str | None = None, limit: int = SMALL_FILE) -> bytes:
+    """A small file (at most ``limit`` bytes: a tracker, a config, a rule file), opened only as a regular
+    file (links followed); errors call it ``named`` (default: its path) and say it is not ``what``."""
     named = path if named is None else named
     try:
         fd = open_regular(path, follow_links=True)
@@ -75,18 +72,16 @@ def read_small(path: str, what: str, named: str | None = None) -> bytes:
     except OSError as exc:
         raise InputError(f"{named}: cannot read {what} ({exc.strerror})") from None
     try:
-        data = read_bounded(fd, SMALL_FILE)
+        data = read_bounded(fd, limit)
     finally:
         os.close(fd)
     if data is None:
-        raise InputError(f"{named}: larger than {SMALL_FILE >> 20} MiB, not {what}")
+        raise InputError(f"{named}: larger than {limit >> 20} MiB, not {what}")
     return data
 
 
 class LocalPlace:
     """A directory of this machine."""
-
-    local = True
 
     def __init__(self, directory: str) -> None:
         self.path = directory
@@ -113,8 +108,8 @@ class LocalPlace:
     def join(self, name: str) -> str:
         return os.path.join(self.path, name)
 
-    def read_small(self, name: str, what: str) -> bytes:
-        return read_small(self.join(name), what)
+    def read_small(self, name: str, what: str, limit: int = SMALL_FILE) -> bytes:
+        return read_small(self.join(name), what, limit=limit)
 
     def open(self, name: str) -> ByteSource:
         return PosixSource(self.join(name))

@@ -100,8 +100,6 @@ class S3Place:
     objects. One client (rooted at the bucket) serves the prefix and every folder looked at from it;
     each folder is listed once, with one request per thousand entries."""
 
-    local = False
-
     def __init__(self, client: S3Client, folder: str) -> None:
         self.client, self.folder = client, folder
         self.path = client.location.url(folder)
@@ -150,10 +148,10 @@ class S3Place:
             raise InputError(f"{self.join(name)}: no such object, not {what}")
         return size
 
-    def read_small(self, name: str, what: str) -> bytes:
+    def read_small(self, name: str, what: str, limit: int = SMALL_FILE) -> bytes:
         size = self._size(name, what)
-        if size > SMALL_FILE:
-            raise InputError(f"{self.join(name)}: larger than {SMALL_FILE >> 20} MiB, not {what}")
+        if size > limit:
+            raise InputError(f"{self.join(name)}: larger than {limit >> 20} MiB, not {what}")
         return self.client.read(self._key(name), 0, size) if size else b""
 
     def open(self, name: str) -> ByteSource:

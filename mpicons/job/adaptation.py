@@ -119,7 +119,7 @@ def _settled(options: Options, found: Found | None, chosen: Trainer | None) -> S
 
     saved = None if found is None or options.hf_assets is not None else found.assets
     where = os.fspath(options.hf_assets) if options.hf_assets is not None else saved
-    assets = None if where is None else read_assets(where)
+    assets = None if where is None else read_assets(where, options.s3_endpoint)
     asked = options.adapter is not None and options.adapter != NO_ADAPTER
     if saved is not None and chosen is None and not asked:
         return Settled(assets, (f"the model's Hugging Face files (config, tokenizer) from {saved} (--hf-assets for others)",))

@@ -75,14 +75,9 @@ class Verl(Trainer):
             place, layout = place.child(ACTOR), layout if which else STEP_LAYOUT
         if detect(place.entries(), place.path) is None:
             return None
-        notes = [f"{self.title} checkpoint{which}: {place.path}"]
+        note = f"{self.title} checkpoint{which}: {place.path}"
         saved = place.is_dir(ASSETS) and place.child(ASSETS).is_file("config.json")
-        if saved and not place.local:  # the assets are read by path: a bucket's are not downloaded
-            notes.append(
-                f"{place.join(ASSETS)} is not read from object storage: give --hf-assets DIR (a local copy) to publish it"
-            )
-        assets = place.join(ASSETS) if saved and place.local else None
-        return Found(self.name, place.path, layout, tuple(notes), assets=assets, place=place)
+        return Found(self.name, place.path, layout, (note,), assets=place.join(ASSETS) if saved else None, place=place)
 
 
 VERL = Verl()
