@@ -23,6 +23,7 @@ import mpicons
 from mpicons.comm import SingleProcess
 from mpicons.core.adapter_hints import recognising_adapters
 from mpicons.core.adapter_rules import may_read
+from mpicons.core.rule_text import joined
 from mpicons.sample import SampleConfig, full_tensor, tensor_specs, write_sample
 from mpicons.trainers import TRAINERS, known_rule_sets, rule_sets_reading
 
@@ -68,7 +69,8 @@ def test_only_the_rule_files_that_may_read_the_first_name_are_asked() -> None:
     assert len(rule_sets_reading(["my_own.weight"])) < len(known_rule_sets())
     # Never a file left out that reads the name: every rule's source, made a name, keeps its file.
     for trainer in TRAINERS.values():
-        for (origin, text), rules in zip(trainer.rule_texts(), trainer.rule_sets(), strict=True):
+        for (origin, lines), rules in zip(trainer.rule_texts(), trainer.rule_sets(), strict=True):
+            text = joined(lines)
             for rule in rules.rules:
                 name = _example(rule.source)
                 assert rule.pattern.fullmatch(name), (origin, rule.source, name)

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from .errors import InputError
+from .rule_text import Defines, Resolver, RuleLine, calls, expand
 
 #: The transforms a rule may name, with their parameters (all integer expressions, but unbind's capture name).
 TRANSFORMS: dict[str, tuple[str, ...]] = {
@@ -86,6 +87,7 @@ class Rule:
     condition: str | None = None  # a config key; the rule applies when it is truthy
     negated: bool = False  # ... or, with ``if not``, when it is falsy
     skip: bool = False  # a ``skip`` line: not model state
+    where: str = ""  # ``file:line`` where it is written (an included part's own file)
 
     @property
     def kind(self) -> str:
@@ -115,7 +117,7 @@ class RuleSet:
     reads_config: bool = False
 
     def where(self, rule: Rule) -> str:
-        return f"{self.origin}:{rule.line}"
+        return rule.where or f"{self.origin}:{rule.line}"
 
     def config_with_defaults(self, config: Mapping[str, object]) -> dict[str, object]:
         """The config with the file's ``default`` lines filled in where the config lacks the key (or holds null)."""
@@ -255,25 +257,14 @@ def _pattern(source: str, where: str) -> re.Pattern[str]:
     return re.compile("".join(parts))
 
 
-def _calls(text: str) -> list[str]:
-    """A chain's calls: ``text`` split at each ``|`` outside parentheses."""
-    calls, depth, start = [], 0, 0
-    for position, char in enumerate(text):
-        depth += (char == "(") - (char == ")")
-        if char == "|" and depth == 0:
-            calls.append(text[start:position].strip())
-            start = position + 1
-    return [*calls, text[start:].strip()]
-
-
 def _transforms(text: str | None, where: str) -> tuple[Transform, ...]:
     """A rule's transform chain, checked: ``drop`` stands alone; split_rows and the rotary orders end it."""
     if text is None:
         return ()
-    calls = _calls(text)
-    if not all(calls):
+    parts = calls(text)
+    if not all(parts):
         raise InputError(f"{where}: {text!r}: a '|' joins two transforms, and one of them is missing")
-    steps = tuple(_transform(call, where) for call in calls)
+    steps = tuple(_transform(call, where) for call in parts)
     kinds = [step.kind for step in steps]
     if len(steps) > 1 and "drop" in kinds:
         raise InputError(f"{where}: drop leaves the tensor out: it takes no other transform")
@@ -391,17 +382,22 @@ def may_read(text: str, name: str) -> bool:
     return False
 
 
-def parse_rules(text: str, origin: str) -> RuleSet:
-    """A rule file's text checked whole: the first bad line is an :class:`InputError` naming ``origin:line``."""
+def parse_rules(text: str, origin: str, include: Resolver | None = None) -> RuleSet:
+    """A rule file's text checked whole: the first bad line is an :class:`InputError` naming ``file:line``.
+    ``include`` reads the files its ``include`` lines name (:mod:`mpicons.core.rule_text`)."""
+    return parse_lines(expand(text, origin, include), origin)
+
+
+def parse_lines(lines: tuple[RuleLine, ...], origin: str) -> RuleSet:
+    """Expanded rule lines (:func:`~mpicons.core.rule_text.expand`) checked whole, as :func:`parse_rules`."""
     rules: list[Rule] = []
     model_types: list[str] = []
     defaults: dict[str, ast.expr] = {}
+    defines = Defines(TRANSFORMS)
     reads_config = False
-    for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
-        where = f"{origin}:{number}"
-        if not line:
-            continue
+    for entry in lines:
+        line, where = entry.text, entry.where
+        number = int(where.rpartition(":")[2])
         word, _, rest = line.partition(" ")
         rest = rest.strip()
         if word == "model_type":
@@ -409,53 +405,73 @@ def parse_rules(text: str, origin: str) -> RuleSet:
                 raise InputError(f"{where}: model_type needs at least one value")
             model_types += rest.split()
             continue
+        if word == "define":
+            _transforms(defines.add(rest, where), where)  # checked as a rule's chain, its parameters as numbers
+            continue
         if word == "default":
             key, equals, expression = rest.partition("=")
             if not equals or not re.fullmatch(r"[A-Za-z_][\w.]*", key.strip()):
                 raise InputError(f"{where}: a default line reads 'default KEY = EXPRESSION'")
-            defaults[key.strip()] = _expression(expression, where)
+            parsed = _expression(expression, where)
+            if key.strip() in defaults and ast.dump(defaults[key.strip()]) != ast.dump(parsed):
+                raise InputError(f"{where}: a second, different default for {key.strip()!r}")
+            defaults[key.strip()] = parsed
             reads_config = True
             continue
         if word == "skip":
             if not rest:
                 raise InputError(f"{where}: skip needs at least one pattern")
             for source in rest.split():
-                rules.append(Rule(number, source, None, (), _pattern(source, where), skip=True))
+                rules.append(Rule(number, source, None, (), _pattern(source, where), skip=True, where=where))
             continue
-        found = _RULE.match(line)
-        if found is None:
-            raise InputError(f"{where}: expected 'SOURCE TARGET [TRANSFORM] [if [not] KEY]', got {line!r}")
-        condition, negated = None, False
-        if found.group("cond") is not None:
-            cond = _CONDITION.match(found.group("cond").strip())
-            if cond is None:
-                raise InputError(f"{where}: a condition reads 'if KEY' or 'if not KEY' (KEY a config field)")
-            condition, negated = cond.group("key"), cond.group("negated") is not None
-            reads_config = True
-        source, target = found.group("source"), found.group("target")
-        pattern = _pattern(source, where)
-        steps = _transforms(found.group("transform"), where)
-        if any(
-            step.kind != "unbind"
-            and any(_names_config(node) for arg, node in step.args.items() if (step.kind, arg) not in NAME_ARGS)
-            for step in steps
-        ):
-            reads_config = True
-        rule = Rule(number, source, None if target == "-" else target, steps, pattern, condition, negated)
-        _check_target(rule, set(pattern.groupindex), where)
-        if any(found.group(2) and _names_config(_expression(found.group(2), where)) for found in _TARGET_FIELD.finditer(target)):
-            reads_config = True
+        rule = _rule(line, number, where, defines)
+        reads_config = reads_config or _reads_config(rule, where)
         rules.append(rule)
     if not rules:
         raise InputError(f"{origin}: no rules")
     return RuleSet(origin, tuple(rules), tuple(model_types), defaults, reads_config)
 
 
-def choose_rules(adapter: str, config: Mapping[str, object] | None, text: str) -> RuleSet:
+def _rule(line: str, number: int, where: str, defines: Defines) -> Rule:
+    """One rule line, named transforms replaced by their definitions, checked."""
+    found = _RULE.match(line)
+    if found is None:
+        raise InputError(f"{where}: expected 'SOURCE TARGET [TRANSFORM] [if [not] KEY]', got {line!r}")
+    condition, negated = None, False
+    if found.group("cond") is not None:
+        cond = _CONDITION.match(found.group("cond").strip())
+        if cond is None:
+            raise InputError(f"{where}: a condition reads 'if KEY' or 'if not KEY' (KEY a config field)")
+        condition, negated = cond.group("key"), cond.group("negated") is not None
+    source, target = found.group("source"), found.group("target")
+    pattern = _pattern(source, where)
+    chain = found.group("transform")
+    steps = _transforms(None if chain is None else defines.applied(chain, where), where)
+    rule = Rule(number, source, None if target == "-" else target, steps, pattern, condition, negated, where=where)
+    _check_target(rule, set(pattern.groupindex), where)
+    return rule
+
+
+def _reads_config(rule: Rule, where: str) -> bool:
+    """Whether a rule reads the config: a condition, a config field in an argument, or target arithmetic over one."""
+    if rule.condition is not None:
+        return True
+    if any(
+        step.kind != "unbind" and any(_names_config(node) for arg, node in step.args.items() if (step.kind, arg) not in NAME_ARGS)
+        for step in rule.steps
+    ):
+        return True
+    return any(
+        found.group(2) and _names_config(_expression(found.group(2), where))
+        for found in _TARGET_FIELD.finditer(rule.target or "")
+    )
+
+
+def choose_rules(adapter: str, config: Mapping[str, object] | None, text: str, include: Resolver | None = None) -> RuleSet:
     """The rule set of a rule file (``adapter``: its path, ``text``: what the caller read), checked against
     the model's config: a file that reads the config needs one, and one written for other model types
     refuses it. (A trainer's built-in rules are chosen by its leaf, :mod:`mpicons.trainers`.)"""
-    rule_set = parse_rules(text, adapter)
+    rule_set = parse_rules(text, adapter, include)
     if rule_set.reads_config and config is None:
         raise InputError(f"{adapter}: its rules read the model's config: give --hf-assets DIR (with config.json)")
     model_type = None if config is None else config.get("model_type")
@@ -496,6 +512,7 @@ __all__ = [
     "Rule",
     "RuleSet",
     "parse_rules",
+    "parse_lines",
     "may_read",
     "choose_rules",
     "target_names",

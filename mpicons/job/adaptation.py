@@ -81,6 +81,21 @@ def _read_rule_file(path: str) -> str:
         raise InputError(f"--adapter {path!r}: not a text file (UTF-8)") from None
 
 
+def _include(name: str, including: str) -> tuple[str, str]:
+    """The file a user's rule file includes: ``TRAINER:PATH`` a built-in part (``megatron:parts/gqa.rules``),
+    anything else a path beside the including file; within a built-in part, that trainer's parts."""
+    owner, colon, path = name.partition(":")
+    if colon and owner in TRAINERS:
+        return TRAINERS[owner].rule_file(path, including)
+    within, colon, _ = including.partition(":")
+    if colon and within in TRAINERS:
+        return TRAINERS[within].rule_file(name, including)
+    path = os.path.join(os.path.dirname(including), name)
+    if not os.path.lexists(path):
+        raise InputError(f"{including}: include {name!r}: no such file ({path})")
+    return path, _read_rule_file(path)
+
+
 def _refuse_archives_per_rank(input_dir: str) -> None:
     """Per-rank directories (``{rank}``) hold shards the trainers need not recognise; but per-rank
     ``torch.save`` archives are read from one location: say so rather than that there are no shards."""
@@ -156,7 +171,7 @@ def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, own
         if chosen is not None:
             rules = chosen.choose_rules(settled.config)
         elif options.adapter is not None and not off:
-            rules = choose_rules(options.adapter, settled.config, _read_rule_file(options.adapter))
+            rules = choose_rules(options.adapter, settled.config, _read_rule_file(options.adapter), _include)
         allow = (
             TRAINERS[found.trainer].metadata_allow if found is not None else (NOTHING if named is None else named.metadata_allow)
         )

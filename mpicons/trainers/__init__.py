@@ -15,6 +15,7 @@ import functools
 from collections.abc import Sequence
 
 from ..core.adapter_rules import RuleSet, may_read
+from ..core.rule_text import RuleLine, joined
 from ..io.places import Place
 from .accelerate import ACCELERATE
 from .base import ArchiveFormat, Found, Settled, Trainer, parsed_rules
@@ -56,18 +57,18 @@ def known_rule_sets() -> tuple[tuple[str, RuleSet], ...]:
 
 
 @functools.cache
-def _rule_texts() -> tuple[tuple[str, str, str], ...]:
-    """(``--adapter`` name, origin, text) of every built-in rule file, read once per process."""
-    return tuple((name, origin, text) for name, known in TRAINERS.items() for origin, text in known.rule_texts())
+def _rule_texts() -> tuple[tuple[str, str, tuple[RuleLine, ...], str], ...]:
+    """(``--adapter`` name, origin, expanded lines, their text) of every built-in family, read once per process."""
+    return tuple((name, origin, lines, joined(lines)) for name, known in TRAINERS.items() for origin, lines in known.rule_texts())
 
 
 def rule_sets_reading(names: Sequence[str]) -> tuple[tuple[str, RuleSet], ...]:
     """The built-in rule sets, as :func:`known_rule_sets`, that may read every one of ``names``: only
     the files that may read the first name are parsed (none, usually, for names no trainer writes),
-    so the names hint of a run without ``--adapter`` compiles few of the 241 patterns."""
+    so the names hint of a run without ``--adapter`` compiles few of the built-in patterns."""
     if not names:
         return ()
-    return tuple((name, parsed_rules(text, origin)) for name, origin, text in _rule_texts() if may_read(text, names[0]))
+    return tuple((name, parsed_rules(lines, origin)) for name, origin, lines, text in _rule_texts() if may_read(text, names[0]))
 
 
 __all__ = [

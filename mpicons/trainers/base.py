@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from ..core.adapter_rules import RuleSet, parse_rules
+from ..core.adapter_rules import RuleSet, parse_lines
 from ..core.byte_sources import ByteSource
 from ..core.errors import InputError
 from ..core.flat_pieces import TrainerLayout
+from ..core.rule_text import RuleLine, expand
 from ..core.unpickling import NOTHING, AllowList
 from ..io.places import LocalPlace, Place
 
@@ -110,15 +111,27 @@ class Trainer:
         folder = resources.files(type(self).__module__).joinpath("rules")
         return folder.is_dir() and any(entry.name.endswith(".rules") for entry in folder.iterdir())
 
-    def rule_texts(self) -> list[tuple[str, str]]:
-        """The trainer's built-in rule files (``rules/*.rules`` in its folder) as (origin, text), by file name."""
+    def rule_texts(self) -> list[tuple[str, tuple[RuleLine, ...]]]:
+        """The trainer's built-in families (``rules/*.rules`` in its folder; ``rules/parts/`` holds what they
+        include) as (origin, expanded lines), by file name."""
         folder = resources.files(type(self).__module__).joinpath("rules")
         files = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".rules")) if folder.is_dir() else []
-        return [(f"{self.name}:{file}", folder.joinpath(file).read_text(encoding="utf-8")) for file in files]
+        return [(origin, expand(text, origin, self.rule_file)) for origin, text in (self.rule_file(f, "") for f in files)]
+
+    def rule_file(self, name: str, including: str) -> tuple[str, str]:
+        """A built-in rule file (what an ``include`` line names, beside the file including it) as (origin, text)."""
+        base = including.partition(":")[2].rpartition("/")[0] if including.startswith(f"{self.name}:") else ""
+        parts = [*base.split("/"), *name.split("/")] if base else name.split("/")
+        if not name.endswith(".rules") or any(p in ("", ".", "..") for p in name.split("/")):
+            raise InputError(f"{including}: include {name!r}: a built-in rule file, such as parts/gqa.rules")
+        entry = resources.files(type(self).__module__).joinpath("rules", *parts)
+        if not entry.is_file():
+            raise InputError(f"{including}: include {name!r}: --adapter {self.name} has no such rule file")
+        return f"{self.name}:{'/'.join(parts)}", entry.read_text(encoding="utf-8")
 
     def rule_sets(self) -> list[RuleSet]:
         """The trainer's built-in rule files, parsed, by file name."""
-        return [parsed_rules(text, origin) for origin, text in self.rule_texts()]
+        return [parsed_rules(lines, origin) for origin, lines in self.rule_texts()]
 
     def choose_rules(self, config: dict[str, Any] | None) -> RuleSet:
         """The rule file for the config's ``model_type``; bad input when there is no config or no file for it."""
@@ -139,9 +152,9 @@ class Trainer:
 
 
 @functools.cache
-def parsed_rules(text: str, origin: str) -> RuleSet:
-    """A built-in rule file parsed once per process (its 30-40 patterns compiled: about 15 ms)."""
-    return parse_rules(text, origin)
+def parsed_rules(lines: tuple[RuleLine, ...], origin: str) -> RuleSet:
+    """A built-in rule file parsed once per process (its patterns compiled: about 15 ms)."""
+    return parse_lines(lines, origin)
 
 
 __all__ = ["ArchiveFormat", "Found", "Settled", "Trainer", "parsed_rules"]
