@@ -17,7 +17,7 @@ import numpy as np
 from helpers import Tensors, load_tensors
 
 MEGATRON = Path(__file__).parent / "fixtures" / "megatron"
-CASES = ("llama-tp2", "qwen3-pp2", "qwen3moe-ep2")
+CASES = ("llama-tp2", "qwen3-pp2", "qwen3moe-ep2", "qwen2-tp2", "deepseekv3-ep2")
 ITERATION = "iter_0000010"
 
 
@@ -56,11 +56,13 @@ def copy_run(case: str, target: Path) -> Path:
     return target
 
 
+NUMPY_DTYPES = {"BF16": ml_dtypes.bfloat16, "F32": np.float32}
+
+
 def _arrays(case: str) -> dict[str, np.ndarray]:
     return {
-        name: np.frombuffer(data, dtype=ml_dtypes.bfloat16).reshape(shape)
+        name: np.frombuffer(data, dtype=NUMPY_DTYPES[dtype]).reshape(shape)
         for name, (dtype, shape, data) in load_tensors(expected_dir(case) / "model.safetensors").items()
-        if dtype == "BF16"
     }
 
 
@@ -82,9 +84,52 @@ def _qkv(q: np.ndarray, k: np.ndarray, v: np.ndarray, groups: int, head_dim: int
     return np.concatenate(parts)
 
 
+def _gated(hf: dict[str, np.ndarray], prefix: str) -> np.ndarray:
+    """FACTS.md §6: fc1 is all gate rows, then all up rows."""
+    return np.concatenate([hf[prefix + "gate_proj.weight"], hf[prefix + "up_proj.weight"]])
+
+
+def _deepseek_tensors(hf: dict[str, np.ndarray], facts: dict) -> dict[str, np.ndarray]:
+    """FACTS.md §15: one key per layer; MLA's matrices as they are; layer 0 dense, then routed and shared experts."""
+    padded = facts["padded_vocab"]
+    out = {
+        "embedding.word_embeddings.weight": _padded(hf["model.embed_tokens.weight"], padded),
+        "output_layer.weight": _padded(hf["lm_head.weight"], padded),
+        "decoder.final_layernorm.weight": hf["model.norm.weight"],
+    }
+    mla = {
+        "input_layernorm.weight": "input_layernorm.weight",
+        "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+        "self_attention.linear_q_down_proj.weight": "self_attn.q_a_proj.weight",
+        "self_attention.q_layernorm.weight": "self_attn.q_a_layernorm.weight",
+        "self_attention.linear_q_up_proj.weight": "self_attn.q_b_proj.weight",
+        "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
+        "self_attention.kv_layernorm.weight": "self_attn.kv_a_layernorm.weight",
+        "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
+        "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    }
+    for i in range(facts["layers"]):
+        mine, theirs = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out.update({mine + m: hf[theirs + h] for m, h in mla.items()})
+        if i < facts["first_dense"]:
+            out[mine + "mlp.linear_fc1.weight"] = _gated(hf, theirs + "mlp.")
+            out[mine + "mlp.linear_fc2.weight"] = hf[theirs + "mlp.down_proj.weight"]
+            continue
+        experts = [f"{theirs}mlp.experts.{e}." for e in range(facts["experts"])]
+        out[mine + "mlp.router.weight"] = hf[theirs + "mlp.gate.weight"]
+        out[mine + "mlp.router.expert_bias"] = hf[theirs + "mlp.gate.e_score_correction_bias"]
+        out[mine + "mlp.experts.experts.linear_fc1.weight"] = np.stack([_gated(hf, e) for e in experts])
+        out[mine + "mlp.experts.experts.linear_fc2.weight"] = np.stack([hf[e + "down_proj.weight"] for e in experts])
+        out[mine + "mlp.shared_experts.linear_fc1.weight"] = _gated(hf, theirs + "mlp.shared_experts.")
+        out[mine + "mlp.shared_experts.linear_fc2.weight"] = hf[theirs + "mlp.shared_experts.down_proj.weight"]
+    return out
+
+
 def saved_tensors(case: str) -> dict[str, np.ndarray]:
-    """Every tensor of the case's checkpoint by its saved name and global shape (FACTS.md §4, §11)."""
+    """Every tensor of the case's checkpoint by its saved name and global shape (FACTS.md §4, §11, §14, §15)."""
     hf, facts = _arrays(case), shape_of(case)
+    if facts["arch"] == "deepseek_v3":
+        return _deepseek_tensors(hf, facts)
     layers, groups, head_dim, padded = facts["layers"], facts["kv"], facts["head_dim"], facts["padded_vocab"]
 
     def stack(make: object) -> np.ndarray:
@@ -102,6 +147,10 @@ def saved_tensors(case: str) -> dict[str, np.ndarray]:
     }
     if not facts["tied"]:
         out["output_layer.weight"] = _padded(hf["lm_head.weight"], padded)
+    if "model.layers.0.self_attn.q_proj.bias" in hf:  # FACTS.md §14: grouped like the weight's rows
+        out["decoder.layers.self_attention.linear_qkv.bias"] = stack(
+            lambda p: _qkv(*(hf[f"{p}self_attn.{x}_proj.bias"] for x in "qkv"), groups, head_dim)
+        )
     if "model.layers.0.self_attn.q_norm.weight" in hf:
         out["decoder.layers.self_attention.q_layernorm.weight"] = stack(lambda p: hf[p + "self_attn.q_norm.weight"])
         out["decoder.layers.self_attention.k_layernorm.weight"] = stack(lambda p: hf[p + "self_attn.k_norm.weight"])
@@ -125,8 +174,9 @@ def saved_tensors(case: str) -> dict[str, np.ndarray]:
 
 
 def as_tensors(arrays: dict[str, np.ndarray]) -> Tensors:
-    """bf16 arrays as the raw tensors the reference serializer takes."""
-    return {name: ("BF16", list(a.shape), np.ascontiguousarray(a).tobytes()) for name, a in arrays.items()}
+    """bf16 (and fp32) arrays as the raw tensors the reference serializer takes."""
+    names = {np.dtype(ml_dtypes.bfloat16): "BF16", np.dtype(np.float32): "F32"}
+    return {name: (names[a.dtype], list(a.shape), np.ascontiguousarray(a).tobytes()) for name, a in arrays.items()}
 
 
 def identity_rules(names: list[str], prefix: str = "") -> str:

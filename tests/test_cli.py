@@ -74,6 +74,7 @@ def test_every_consolidate_option_is_passed_on():
             "16M",
             "--expect-ranks",
             "8",
+            "--main-params",
         ]
     )
     options = job_options(args)
@@ -99,6 +100,7 @@ def test_every_consolidate_option_is_passed_on():
         s3_endpoint="http://127.0.0.1:9000",
         s3_part_size=16 << 20,
         expect_ranks=8,
+        main_params=True,
         sync=False,
         progress=3.0,
         verbose=True,

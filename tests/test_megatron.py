@@ -19,9 +19,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import cli, load_tensors, reference_bytes, run_python, subprocess_env
-from megatron_cases import CASES, ITERATION, checkpoint, expected_dir, hf_assets, iteration_dir, verify_record
+from megatron_cases import CASES, ITERATION, NUMPY_DTYPES, checkpoint, expected_dir, hf_assets, iteration_dir, verify_record
 
 import mpicons
 from mpicons.comm import SingleProcess
@@ -185,6 +186,11 @@ SPREAD = [
     ("qwen3-pp2", 3, "iteration", "derived"),
     ("qwen3moe-ep2", 4, "run", "derived"),
     ("qwen3moe-ep2", 2, "iteration", "assets"),
+    ("qwen2-tp2", 3, "run", "derived"),
+    ("qwen2-tp2", 2, "iteration", "assets"),
+    ("deepseekv3-ep2", 1, "run", "assets"),
+    ("deepseekv3-ep2", 2, "iteration", "derived"),
+    ("deepseekv3-ep2", 3, "run", "derived"),
 ]
 EVERY = [(c, k, g, a) for c in CASES for k in (1, 2, 3, 4) for g in GIVEN for a in CONFIGS if (c, k, g, a) not in SPREAD]
 
@@ -214,8 +220,19 @@ def test_every_rank_count_writes_the_one_process_output(
 # ---------------------------------------------------------------- layouts no fixture holds (written by torch's DCP)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch writes these checkpoints")
-@pytest.mark.parametrize(("kind", "case"), [("optimizer", CASES[0]), ("nemo", CASES[2])])
+needs_torch = pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch writes these checkpoints")
+
+
+@needs_torch
+@pytest.mark.parametrize(
+    ("kind", "case"),
+    [
+        ("optimizer", CASES[0]),
+        ("nemo", CASES[2]),
+        ("distributed-optimizer", "qwen2-tp2"),
+        ("distributed-optimizer", "deepseekv3-ep2"),
+    ],
+)
 def test_optimizer_state_and_nemo2_give_the_expected_model(kind: str, case: str, tmp_path: Path) -> None:
     made = tmp_path / "ckpt"
     proc = run_python(SCRIPTS / "megatron_variants.py", iteration_dir(case), made, kind, timeout=300)
@@ -224,6 +241,28 @@ def test_optimizer_state_and_nemo2_give_the_expected_model(kind: str, case: str,
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert_expected_model(tmp_path / "hf", case, "assets")
     assert "optimizer.**" in proc.stdout and "skipped" in proc.stdout, proc.stdout
+
+
+@needs_torch
+@pytest.mark.parametrize(("kind", "case"), [("fp32-main", "qwen2-tp2"), ("fully-reshardable", "deepseekv3-ep2")])
+def test_the_fp32_main_parameters_are_taken_instead_when_asked(kind: str, case: str, tmp_path: Path) -> None:
+    """A run whose optimizer keeps fp32 main weights per parameter: those, mapped like the model's, in fp32."""
+    made = tmp_path / "ckpt"
+    proc = run_python(SCRIPTS / "megatron_variants.py", iteration_dir(case), made, kind, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(2, "consolidate", made, tmp_path / "hf", "--main-params", "--no-sync")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "the optimizer's fp32 main parameters" in proc.stdout, proc.stdout
+    got = load_tensors(tmp_path / "hf" / "model.safetensors")
+    want = {}
+    for name, (dtype, shape, data) in load_tensors(expected_dir(case) / "model.safetensors").items():
+        main = np.frombuffer(data, dtype=NUMPY_DTYPES[dtype]).astype(np.float32)
+        if name.endswith("e_score_correction_bias"):  # a buffer: the model's own, fp32 already
+            want[name] = (dtype, shape, data)
+            continue
+        want[name] = ("F32", shape, (main + main * np.float32(2.0**-12)).tobytes())  # as the variant made them
+    assert got == want
+    assert (tmp_path / "hf" / "model.safetensors").read_bytes() == reference_bytes(want)
 
 
 # ---------------------------------------------------------------- inspect and verify through the adapter
@@ -237,11 +276,20 @@ def test_inspect_shows_the_mapping_and_the_iteration(case: str, tmp_path: Path) 
     rows = {row.source: row for row in report.mapping_rows}
     written = {name for row in rows.values() if row.fate == "written" for name in row.targets}
     assert written == set(load_tensors(expected_dir(case) / "model.safetensors")) == {t.name for t in report.tensors}
-    qkv = rows["decoder.layers.self_attention.linear_qkv.weight"]
-    assert "model.layers.0.self_attn.k_proj.weight" in qkv.targets and ":" in qkv.rule
+    source, target = MAPPED[case.split("-")[0]]
+    row = rows[source]
+    assert target in row.targets and ":" in row.rule
     assert any("iteration 10" in note for note in report.notes)
     assert report.skipped == sorted(verify_record(case)["dcp_nontensor_keys"])
     assert "note: adapter megatron: chosen" in report.table(limit=0) and not list(tmp_path.iterdir())
+
+
+#: A saved tensor of each family and one Hugging Face tensor its rule makes (a split for the GQA families).
+QKV = ("decoder.layers.self_attention.linear_qkv.weight", "model.layers.0.self_attn.k_proj.weight")
+MAPPED = {
+    **dict.fromkeys(("llama", "qwen3", "qwen3moe", "qwen2"), QKV),
+    "deepseekv3": ("decoder.layers.0.self_attention.linear_kv_up_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight"),
+}
 
 
 def _flip_a_byte(out: Path, name: str) -> None:
@@ -262,7 +310,7 @@ def test_verify_compares_through_the_adapter(serial: Callable[[str, str, str], R
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr
     broken = tmp_path / "broken"
     shutil.copytree(out, broken)
-    name = "model.layers.1.self_attn.v_proj.weight"
+    name = MAPPED[case.split("-")[0]][1].replace("layers.0", "layers.1")
     _flip_a_byte(broken, name)
     proc = run_cli(1, "verify", broken, "--against", iteration_dir(case))
     assert proc.returncode == 1 and name in proc.stdout, proc.stdout + proc.stderr
@@ -287,3 +335,20 @@ def test_adapter_none_keeps_megatron_s_own_tensors(tmp_path: Path) -> None:
     assert dtype == embedding[0] and shape[1:] == embedding[1][1:] and shape[0] > embedding[1][0], (shape, embedding[1])
     assert data[: len(embedding[2])] == embedding[2]  # the vocabulary's rows, then the padding
     assert any(name.startswith("decoder.layers.") for name in raw) and not any(name.startswith("model.") for name in raw)
+
+
+@needs_torch
+def test_main_params_are_refused_where_the_checkpoint_names_no_parameter(tmp_path: Path) -> None:
+    """The distributed optimizer's default form keeps flat buckets: --main-params says so (exit 2) and
+    what to do; so does an input that is no Megatron run, and --main-params with --include."""
+    made = tmp_path / "ckpt"
+    proc = run_python(SCRIPTS / "megatron_variants.py", iteration_dir("qwen2-tp2"), made, "distributed-optimizer", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    proc = run_cli(1, "consolidate", made, tmp_path / "hf", "--main-params")
+    assert proc.returncode == 2 and "flat per-bucket buffers (dp_reshardable)" in proc.stderr, proc.stderr
+    assert "leave out --main-params" in proc.stderr and not (tmp_path / "hf").exists()
+    plain = Path(__file__).parent / "fixtures" / "distcp" / "fsdp-3ranks" / "dcp"
+    proc = run_cli(1, "inspect", plain, "--main-params")
+    assert proc.returncode == 2 and "only a Megatron run" in proc.stderr, proc.stderr
+    proc = run_cli(1, "consolidate", made, tmp_path / "hf", "--main-params", "--include", "decoder.*")
+    assert proc.returncode == 2 and "leave out --include" in proc.stderr, proc.stderr

@@ -40,7 +40,7 @@ from mpicons.core.distcp_metadata import read_metadata
 from mpicons.core.errors import InputError
 from mpicons.io.places import LocalPlace
 from mpicons.trainers import recognise
-from mpicons.trainers.megatron.config import check_config, derive_config
+from mpicons.trainers.megatron.config import FAMILIES, check_config, derive_config
 from mpicons.trainers.megatron.files import METADATA_ALLOW, read_common
 
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -260,10 +260,13 @@ def test_common_pt_gives_the_args_and_the_iteration(case: str) -> None:
     facts = shape_of(case)
     assert run.iteration == 10
     assert run.args is not None
-    said = {k: run.args[k] for k in ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "kv_channels")}
-    assert said == {k: facts[v] for k, v in (("hidden_size", "hidden"), ("num_layers", "layers"),
-                                             ("num_attention_heads", "heads"), ("num_query_groups", "kv"),
-                                             ("kv_channels", "head_dim"))}  # fmt: skip
+    fields = {"hidden_size": "hidden", "num_layers": "layers", "num_attention_heads": "heads"}
+    if "kv_lora" in facts:  # multi-latent attention: its ranks and widths (FACTS.md §15), no query groups
+        fields.update(q_lora_rank="q_lora", kv_lora_rank="kv_lora", qk_head_dim="qk_nope", qk_pos_emb_head_dim="qk_rope",
+                      v_head_dim="v_head")  # fmt: skip
+    else:
+        fields.update(num_query_groups="kv", kv_channels="head_dim")
+    assert {k: run.args[k] for k in fields} == {k: facts[v] for k, v in fields.items()}
     assert run.args["padded_vocab_size"] == facts["padded_vocab"]
 
 
@@ -303,8 +306,9 @@ def test_the_derived_config_says_what_the_models_own_says(case: str) -> None:
     own = json.loads((hf_assets(case) / "config.json").read_text())
     shared = sorted(set(derived) & set(own))
     assert {k: derived[k] for k in shared} == {k: own[k] for k in shared}
-    assert {"architectures", "model_type", "hidden_size", "num_hidden_layers", "num_key_value_heads", "head_dim",
+    assert {"architectures", "model_type", "hidden_size", "num_hidden_layers", "num_key_value_heads",
             "rms_norm_eps", "rope_parameters", "vocab_size", "tie_word_embeddings", "dtype"} <= set(shared)  # fmt: skip
+    assert ("head_dim" in derived) == ("head_dim" in own)  # Qwen2's config has none
     assert derived["torch_dtype"] == "bfloat16"
     check_config(_args(case), "common.pt", own, "config.json")  # and the model's own config agrees with the args
 
@@ -393,3 +397,195 @@ def test_model_type_must_agree_with_the_assets(tmp_path: Path) -> None:
         )
     with pytest.raises(InputError, match="--model-type is for"):
         consolidate(Path(__file__).parent / "fixtures" / "distcp" / "transposed" / "dcp", tmp_path / "out", model_type="llama")
+
+
+# ---------------------------------------------------------------- the config of qwen2 and deepseek_v3
+
+#: The fixtures of the families told apart by biases (qwen2) and by multi-latent attention (deepseek_v3).
+NEW_FAMILIES = {"qwen2-tp2": "Qwen2ForCausalLM", "deepseekv3-ep2": "DeepseekV3ForCausalLM"}
+#: Keys of a model's own config.json a derived one may leave to transformers (tests/test_megatron.py's list).
+LEFT_OUT = {"bos_token_id", "eos_token_id", "pad_token_id", "transformers_version", "initializer_range",
+            "attention_dropout", "hidden_act", "use_cache", "layer_types", "max_window_layers", "sliding_window",
+            "use_sliding_window", "pretraining_tp", "output_router_logits", "router_aux_loss_coef", "mlp_only_layers",
+            "decoder_sparse_step", "mlp_bias", "attention_bias"}  # fmt: skip
+
+
+def _own_config(case: str) -> dict[str, object]:
+    return json.loads((hf_assets(case) / "config.json").read_text())
+
+
+@pytest.mark.parametrize("case", list(NEW_FAMILIES))
+def test_the_new_families_derive_the_models_own_config(case: str) -> None:
+    """Every key both have agrees, the derived one leaves out only what transformers defaults, and the
+    model's own config passes the check."""
+    derived, own = derive_config(_args(case), "common.pt", None), _own_config(case)
+    shared = set(derived) & set(own)
+    assert {k: derived[k] for k in shared} == {k: own[k] for k in shared}
+    assert set(own) - set(derived) <= LEFT_OUT
+    assert derived["architectures"] == [NEW_FAMILIES[case]] and derived["dtype"] == own["dtype"]
+    check_config(_args(case), "common.pt", own, "config.json")
+
+
+#: One changed field of a new family's config, and the field the refusal must name.
+NEW_DISAGREEING = {
+    "qwen2-tp2": [
+        ("num_key_value_heads", 4), ("head_dim", 32), ("intermediate_size", 128), ("tie_word_embeddings", False),
+        ("rms_norm_eps", 1e-5), ("num_hidden_layers", 2),
+    ],
+    "deepseekv3-ep2": [
+        ("q_lora_rank", 64), ("q_lora_rank", None), ("kv_lora_rank", 16), ("qk_nope_head_dim", 16),
+        ("qk_rope_head_dim", 8), ("head_dim", 8), ("v_head_dim", 32), ("num_key_value_heads", 1),
+        ("n_routed_experts", 16), ("num_experts_per_tok", 4), ("moe_intermediate_size", 64), ("n_shared_experts", 2),
+        ("first_k_dense_replace", 0), ("routed_scaling_factor", 1.0), ("n_group", 1), ("topk_group", 2),
+        ("norm_topk_prob", False), ("rope_interleave", False), ("num_nextn_predict_layers", 1),
+        ("intermediate_size", 64),
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "key", "value"), [(c, k, v) for c, fields in NEW_DISAGREEING.items() for k, v in fields])
+def test_a_new_familys_config_that_disagrees_is_refused_naming_the_field(case: str, key: str, value: object) -> None:
+    config = {**_own_config(case), key: value}
+    with pytest.raises(InputError, match=rf"config\.json: {key} is .*talks nonsense") as caught:
+        check_config(_args(case), "common.pt", config, "config.json")
+    assert caught.value.exit_code == 2
+
+
+#: A DeepSeek-V3 config.json that leaves a key out gets transformers' default (DeepSeek-V3's own size),
+#: or, for the head widths, what transformers computes from the config's other keys.
+LEFT_OUT_OF_DEEPSEEK = {"n_group": "n_group is 8", "first_k_dense_replace": "first_k_dense_replace is 3",
+                        "q_lora_rank": "q_lora_rank is 1536", "n_routed_experts": "n_routed_experts is 256",
+                        "head_dim": None, "qk_head_dim": None, "num_key_value_heads": None}  # fmt: skip
+
+
+@pytest.mark.parametrize("key", list(LEFT_OUT_OF_DEEPSEEK))
+def test_a_key_left_out_of_a_deepseek_config_means_transformers_default(key: str) -> None:
+    config = {k: v for k, v in _own_config("deepseekv3-ep2").items() if k != key}
+    phrase = LEFT_OUT_OF_DEEPSEEK[key]
+    if phrase is None:
+        check_config(_args("deepseekv3-ep2"), "common.pt", config, "config.json")
+        return
+    with pytest.raises(InputError, match=rf"config\.json: {phrase}, but the checkpoint's run says"):
+        check_config(_args("deepseekv3-ep2"), "common.pt", config, "config.json")
+
+
+CONFIGS_ASKING_FOR_MORE = {
+    "yarn": ("deepseekv3-ep2", {"rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn", "factor": 40.0}},
+             "rope_parameters.rope_type is 'yarn'"),
+    "legacy rope scaling": ("qwen2-tp2", {"rope_scaling": {"type": "linear", "factor": 2.0}},
+                            "rope_parameters.rope_type is 'linear'"),
+    "partial rotary embeddings": ("qwen2-tp2", {"partial_rotary_factor": 0.5}, "partial_rotary_factor is 0.5"),
+    "sliding-window layers": ("qwen2-tp2", {"layer_types": ["full_attention", "sliding_attention", "full_attention"]},
+                              "layer_types is"),
+    "a model type of another attention": ("deepseekv3-ep2", {"model_type": "qwen3_moe"},
+                                          "model_type 'qwen3_moe' has no multi-latent attention"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CONFIGS_ASKING_FOR_MORE))
+def test_a_config_asking_for_what_the_run_has_not_is_refused(name: str) -> None:
+    case, changes, phrase = CONFIGS_ASKING_FOR_MORE[name]
+    with pytest.raises(InputError, match=phrase) as caught:
+        check_config(_args(case), "common.pt", {**_own_config(case), **changes}, "config.json")
+    assert caught.value.exit_code == 2
+
+
+#: Args of the DeepSeek-V3 run that its Hugging Face config cannot express: refused naming the args field.
+DEEPSEEK_CANNOT_SAY = {
+    "softmax routing": ({"moe_router_score_function": "softmax"}, r"args\.moe_router_score_function = 'softmax'"),
+    "no expert bias": ({"moe_router_enable_expert_bias": False}, r"args\.moe_router_enable_expert_bias = false"),
+    "groups scored by 3": ({"moe_router_topk": 3}, r"args\.moe_router_group_topk = 1 \(with moe_router_topk 3\)"),
+    "groups scored by 1": ({"moe_router_topk": 4, "moe_router_group_topk": 4, "moe_router_num_groups": 8},
+                           r"args\.moe_router_group_topk = 4 .*top moe_router_topk // moe_router_group_topk = 1"),
+    "yarn": ({"rope_type": "yarn"}, r"args\.rope_type = 'yarn'.*yarn's scaling is not derived"),
+    "MLA's default rope": ({"rope_type": None}, r"args\.rope_type = None \(MLA's default, 'yarn'\)"),
+    "yarn's softmax scale": ({"rotary_scaling_factor": 40.0, "mscale_all_dim": 1.0}, r"args\.mscale_all_dim = 1\.0"),
+    "experts first": ({"moe_layer_freq": [1, 0, 1]}, r"args\.moe_layer_freq = \[1, 0, 1\]"),
+    "no shared expert": ({"moe_shared_expert_intermediate_size": None}, r"args\.moe_shared_expert_intermediate_size = None"),
+    "a shared expert of 1.5 experts": ({"moe_shared_expert_intermediate_size": 48},
+                                       r"args\.moe_shared_expert_intermediate_size = 48"),
+    "a gated shared expert": ({"moe_shared_expert_gate": True}, r"args\.moe_shared_expert_gate = true"),
+    "no latent norms": ({"qk_layernorm": False}, r"args\.qk_layernorm = false"),
+    "multi-token prediction": ({"mtp_num_layers": 1}, r"args\.mtp_num_layers = 1"),
+    "an MLP bias": ({"add_bias_linear": True}, r"args\.add_bias_linear = true"),
+    "no experts": ({"num_experts": None}, r"'deepseek_v3' is a mixture of experts, but .* no experts"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(DEEPSEEK_CANNOT_SAY))
+def test_what_deepseek_v3s_config_cannot_say_is_refused(case: str) -> None:
+    changes, phrase = DEEPSEEK_CANNOT_SAY[case]
+    args = {**_args("deepseekv3-ep2"), **changes}
+    with pytest.raises(InputError, match=phrase) as caught:
+        derive_config(args, "common.pt", None)
+    assert caught.value.exit_code == 2
+    with pytest.raises(InputError, match=phrase):  # a config given for such a run is no better
+        check_config(args, "common.pt", _own_config("deepseekv3-ep2"), "config.json")
+
+
+def test_deepseek_v3_routing_and_queries_the_config_can_say() -> None:
+    """No group-limited routing is one group; every group chosen scores them however; top-1 routing
+    keeps its sigmoid score (Megatron renormalises only for k > 1); no q compression is q_lora_rank null."""
+    args = _args("deepseekv3-ep2")
+    ungrouped = derive_config({**args, "moe_router_group_topk": None}, "common.pt", None)
+    assert (ungrouped["n_group"], ungrouped["topk_group"]) == (1, 1)
+    every = derive_config({**args, "moe_router_group_topk": 2}, "common.pt", None)
+    assert (every["n_group"], every["topk_group"]) == (2, 2)
+    top1 = derive_config({**args, "moe_router_topk": 1, "moe_router_group_topk": None}, "common.pt", None)
+    assert top1["norm_topk_prob"] is False and top1["num_experts_per_tok"] == 1
+    lite = derive_config({**args, "q_lora_rank": None}, "common.pt", None)
+    assert lite["q_lora_rank"] is None
+    own = _own_config("deepseekv3-ep2")
+    check_config({**args, "q_lora_rank": None}, "common.pt", {**own, "q_lora_rank": None}, "config.json")
+    unscaled = derive_config({**args, "moe_router_topk_scaling_factor": None}, "common.pt", None)
+    assert unscaled["routed_scaling_factor"] == 1.0
+
+
+#: How the biases and --model-type choose between qwen2 and llama (and MLA between deepseek_v3 and the rest).
+BIASES_AND_FAMILIES = {
+    "q/k/v biases only": ("qwen2-tp2", {}, None, "qwen2"),
+    "no biases": ("qwen2-tp2", {"add_qkv_bias": False}, None, "llama"),
+    "biases everywhere": ("qwen2-tp2", {"add_bias_linear": True}, None, "llama"),
+    "llama's args as qwen2": ("llama-tp2", {}, "qwen2", r"model_type 'qwen2' has biases on q, k and v and nowhere else"),
+    "qwen2's args as llama": ("qwen2-tp2", {}, "llama", r"args\.add_qkv_bias = true \(with add_bias_linear false\)"),
+    "q/k/v biases with qk-norm": ("qwen3-pp2", {"add_qkv_bias": True}, None, r"args\.add_qkv_bias = true"),
+    "MLA as qwen2": ("qwen2-tp2", {"multi_latent_attention": True}, "qwen2",
+                     r"model_type 'qwen2' has no multi-latent attention, but .*args\.multi_latent_attention is True"),
+    "MLA as qwen3_moe": ("deepseekv3-ep2", {}, "qwen3_moe", r"'qwen3_moe' has no multi-latent attention"),
+    "deepseek_v3 without MLA": ("qwen3moe-ep2", {}, "deepseek_v3", r"'deepseek_v3' has multi-latent attention"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(BIASES_AND_FAMILIES))
+def test_biases_and_attention_choose_the_family(name: str) -> None:
+    case, changes, model_type, said = BIASES_AND_FAMILIES[name]
+    args = {**_args(case), **changes}
+    if said in FAMILIES:
+        config = derive_config(args, "common.pt", model_type)
+        assert (config["model_type"], config["architectures"]) == (said, [FAMILIES[said].architecture])
+        if said == "llama":  # Megatron's --add-bias-linear biases q/k/v, o_proj and the MLP alike
+            assert config["attention_bias"] == config["mlp_bias"] == changes.get("add_bias_linear", False)
+        return
+    with pytest.raises(InputError, match=said) as caught:
+        derive_config(args, "common.pt", model_type)
+    assert caught.value.exit_code == 2
+
+
+def test_a_qwen2_head_width_other_than_hidden_over_heads_is_said() -> None:
+    """Qwen2Config has no head_dim, but transformers' Qwen2 reads one when given: written only then."""
+    config = derive_config({**_args("qwen2-tp2"), "kv_channels": 32}, "common.pt", None)
+    assert config["head_dim"] == 32 and "attention_bias" not in config
+    with pytest.raises(InputError, match=r"config\.json: head_dim is 16, but the checkpoint's run says 32"):
+        check_config({**_args("qwen2-tp2"), "kv_channels": 32}, "common.pt", _own_config("qwen2-tp2"), "config.json")
+
+
+@pytest.mark.parametrize(
+    ("changes", "phrase"),
+    [({"window_size": [128, 0]}, r"args\.window_size = "), ({"qk_l2_norm": True}, r"args\.qk_l2_norm = true"),
+     ({"softmax_type": "off-by-one"}, r"args\.softmax_type = 'off-by-one'"),
+     ({"rotary_seq_len_interpolation_factor": 4}, r"args\.rotary_seq_len_interpolation_factor = 4")],
+)  # fmt: skip
+def test_attention_no_family_has_is_refused(changes: dict[str, object], phrase: str) -> None:
+    for case in NEW_FAMILIES:
+        with pytest.raises(InputError, match=phrase):
+            derive_config({**_args(case), **changes}, "common.pt", None)

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import load_tensors, reference_bytes
+from helpers import load_tensors, reference_bytes, run_python
 from megatron_cases import checkpoint, expected_dir, hf_assets
 
 import mpicons
@@ -234,3 +234,22 @@ def test_a_users_include_that_is_missing_names_the_line(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"mine.rules:2: include 'nowhere.rules': no such file") as caught:
         mpicons.inspect(checkpoint("llama-tp2"), adapter=str(family), hf_assets=hf_assets("llama-tp2"), comm=SingleProcess())
     assert caught.value.exit_code == 2
+
+
+def test_the_model_families_page_lists_the_built_in_families_and_its_command_prints_them() -> None:
+    page = (Path(__file__).parent.parent / "docs" / "model-families.md").read_text()
+    listed = {
+        cells[1].strip("` "): sorted(t.strip("` ") for t in cells[2].split(","))
+        for row in page.split("## 1.")[0].splitlines()
+        if row.startswith("| `") and len(cells := row.split("|")) > 3
+    }
+    shipped = {name: sorted(t for s in TRAINERS[name].rule_sets() for t in s.model_types) for name in listed}
+    assert listed == shipped and set(listed) == {name for name, trainer in TRAINERS.items() if trainer.has_rules()}
+    command = page.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    proc = run_python("-c", command.split('"')[1], timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    printed: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        name, *types = line.split()
+        printed[name] = sorted([*printed.get(name, []), *types])
+    assert printed == shipped

@@ -120,10 +120,17 @@ class Options:
     strip_prefix: str | None = _option(
         None, "Remove this prefix from the names that start with it (``model.`` for accelerate's FSDP checkpoints)."
     )
+    main_params: bool = _option(
+        False,
+        "Take each weight from the optimizer's fp32 main parameters where the checkpoint keeps them per parameter "
+        "(a Megatron run saved with a mixed-precision optimizer: ``optimizer.state.fp32_param.*``) instead of the "
+        "model's weights (bf16 in a ``--bf16`` run): the output is fp32 unless ``dtype`` says otherwise.",
+    )
     adapter: str | None = _option(
         None,
-        "Map a training framework's names and layouts to Hugging Face's: ``torchtitan`` or ``megatron`` (the "
-        "built-in rules, chosen by ``config.json``'s ``model_type``) or a path to a rule file (docs/adapter-rules.md). "
+        "Map a training framework's names and layouts to Hugging Face's: a trainer with built-in rules "
+        "(``torchtitan``, ``megatron``: its families, chosen by ``config.json``'s ``model_type``, are its rule files; "
+        "docs/model-families.md) or a path to a rule file (docs/adapter-rules.md). "
         "None: tensors keep their saved names and layouts, unless the input is recognisably a trainer's whose "
         "adapter is then chosen (a Megatron checkpoint: ``megatron``). ``none``: the saved names and layouts, "
         "whatever the input (a Megatron checkpoint's own tensors).",
@@ -147,7 +154,8 @@ class Options:
     model_type: str | None = _option(
         None,
         "The Hugging Face ``model_type`` of a checkpoint whose config mpicons derives (a Megatron run without "
-        "``hf_assets``), where the run's arguments cannot tell it: ``llama``, ``qwen3``, ``qwen3_moe`` or ``mixtral``.",
+        "``hf_assets``), where the run's arguments cannot tell it: one of the trainer's ``derived_model_types`` "
+        "(``mpicons consolidate --help`` lists them).",
     )
     keep_dtype: tuple[str, ...] = _option(
         (), "Glob patterns (on the output name): with ``dtype``, tensors matching one keep their saved dtype."
@@ -199,6 +207,8 @@ class Options:
             raise InputError("--keep-dtype keeps tensors out of a --dtype conversion: give --dtype too")
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
             raise InputError(f"--adapter is 'torchtitan', 'megatron' or a rule file's path (got {self.adapter!r})")
+        if self.main_params and (self.include or self.strip_prefix is not None):
+            raise InputError("--main-params chooses the tensors and their names itself: leave out --include and --strip-prefix")
         if self.model_type is not None and (not isinstance(self.model_type, str) or not self.model_type):
             raise InputError(f"--model-type is a Hugging Face model_type such as 'llama' (got {self.model_type!r})")
         if self.strip_prefix is not None and (not isinstance(self.strip_prefix, str) or not self.strip_prefix):

@@ -18,6 +18,7 @@ from typing import IO, Any, NoReturn
 from ..core.options import BACKENDS, DEFAULT_BUFFER_SIZE, DEFAULT_PROGRESS_SECONDS, DTYPES, FORMATS, SPLITS, Options
 from ..core.upload_parts import DEFAULT_PART_SIZE
 from ..core.version import __version__
+from ..trainers import adapter_names, derived_model_types
 
 _UNITS = {
     "": 1,
@@ -298,17 +299,23 @@ def _add_selection_options(cmd: argparse.ArgumentParser) -> None:
         "--strip-prefix", metavar="PREFIX", help="remove PREFIX from tensor names that start with it (e.g. 'model.')"
     )
     cmd.add_argument(
+        "--main-params",
+        action="store_true",
+        help="take the weights from the optimizer's fp32 main parameters where the checkpoint keeps them per "
+        "parameter (a Megatron run: optimizer.state.fp32_param.*), not from the model's (bf16) weights",
+    )
+    cmd.add_argument(
         "--adapter",
         metavar="NAME|FILE",
-        help="map a trainer's names and layouts to Hugging Face's: 'torchtitan' or 'megatron' (built-in rules, by "
-        "config.json's model_type) or a rule file (docs/adapter-rules.md); a Megatron checkpoint chooses 'megatron', "
-        "'none' keeps the saved names",
+        help=f"map a trainer's names and layouts to Hugging Face's: {' or '.join(map(repr, adapter_names()))} (built-in "
+        "rules, by config.json's model_type; docs/model-families.md) or a rule file (docs/adapter-rules.md); a Megatron "
+        "checkpoint chooses 'megatron', 'none' keeps the saved names",
     )
     cmd.add_argument(
         "--model-type",
         metavar="TYPE",
         help="the model_type of a Megatron run whose config.json mpicons derives, where its args cannot tell "
-        "(llama, qwen3, qwen3_moe, mixtral)",
+        f"({', '.join(t.partition(':')[2] for t in derived_model_types())})",
     )
     cmd.add_argument(
         "--hf-assets",
@@ -344,6 +351,7 @@ def selection(args: argparse.Namespace) -> dict[str, Any]:
         "include": tuple(args.include),
         "exclude": tuple(args.exclude),
         "strip_prefix": args.strip_prefix,
+        "main_params": args.main_params,
         "adapter": args.adapter,
         "model_type": args.model_type,
         "hf_assets": args.hf_assets,

@@ -40,7 +40,7 @@ from ..job.adaptation import convert_scanned, load_adapter
 from ..job.archive_scan import scan_input
 from ..job.consolidation import layout_of, load_mapping, mapping_of
 from ..job.model_check import judge, layout_tensors
-from ..job.shares import distribute, select
+from ..job.shares import distribute
 from ..trainers import rule_sets_reading
 
 #: Width the table output is laid out for.
@@ -291,7 +291,7 @@ def inspect(
     ranks_problem = None if options.expect_ranks is None else rank_problem(scanned.files, options.expect_ranks, input_dir)
     if ranks_problem is not None:
         problems.add(ranks_problem)
-    scanned = select(scanned, options.include, options.exclude, adapter.strip_prefix(options))
+    scanned = adapter.select(scanned, options)
     saved_names = scanned.names
     if adapter.rules is not None:
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)

@@ -39,7 +39,7 @@ from ..job.consolidation import check_buffer_fits
 from ..job.exchange import feed_blocks
 from ..job.model_check import judge, layout_tensors
 from ..job.scan import Scanned, open_sources
-from ..job.shares import distribute, select
+from ..job.shares import distribute
 from ..trainers import known_rule_sets
 from .output_reading import MAX_INDEX_SIZE, OutputFiles, check_file, list_output, open_regular
 
@@ -208,6 +208,7 @@ _SHARD_OPTIONS = (
     "include",
     "exclude",
     "strip_prefix",
+    "main_params",
     "adapter",
     "hf_assets",
     "expect_ranks",
@@ -256,7 +257,7 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
     adapter = load_adapter(comm, options, against)
     scanned = scan_input(adapter.directory(against), comm, adapter.archives, endpoint=options.s3_endpoint, allow=adapter.allow)
     ranks_problem = None if options.expect_ranks is None else rank_problem(scanned.files, options.expect_ranks, against)
-    scanned = select(scanned, options.include, options.exclude, adapter.strip_prefix(options))
+    scanned = adapter.select(scanned, options)
     if adapter.rules is not None:  # the shards' tensors as the adapter made them
         scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
     views = None if scanned.conversion is None else scanned.conversion.views()

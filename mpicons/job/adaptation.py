@@ -30,6 +30,7 @@ from ..io.s3 import is_s3
 from ..trainers import TRAINERS, ArchiveFormat, Found, Settled, Trainer, adapter_names, recognise, trainer
 from .model_check import ModelConfig, load_model_config
 from .scan import Scanned, reduce_facts
+from .shares import chosen, select, without
 
 if TYPE_CHECKING:
     from ..io.assets import HFAssets
@@ -68,6 +69,48 @@ class Adapter:
     def strip_prefix(self, options: Options) -> str | None:
         """``--strip-prefix``, else the prefix the trainer's layout gives every name (NeMo's ``module.``)."""
         return options.strip_prefix if options.strip_prefix is not None or self.found is None else self.found.strip_prefix
+
+    def select(self, scanned: Scanned, options: Options) -> Scanned:
+        """The tensors ``options`` keep, renamed (``--include``, ``--exclude``, ``--strip-prefix`` or the
+        trainer's prefix); with ``--main-params``, the optimizer's fp32 main parameters under the weights' names."""
+        if not options.main_params:
+            return select(scanned, options.include, options.exclude, self.strip_prefix(options))
+        trainer = None if self.found is None else TRAINERS[self.found.trainer]
+        if trainer is None or not trainer.main_params_prefixes:
+            raise InputError(
+                "--main-params: only a Megatron run keeps the optimizer's fp32 main parameters per parameter "
+                "(optimizer.state.fp32_param.*); leave out --main-params"
+            )
+        within = self.found.strip_prefix or ""  # type: ignore[union-attr]
+        prefixes = [prefix + within for prefix in trainer.main_params_prefixes]
+        prefix = next((p for p in prefixes if any(name.startswith(p) for name in scanned.names)), None)
+        if prefix is None:
+            flat = any(name.startswith("optimizer.distributed.") for name in scanned.names)
+            raise InputError(
+                f"--main-params: {scanned.directory} keeps no {'* or '.join(prefixes)}* tensors"
+                + (
+                    ": its distributed optimizer saved flat per-bucket buffers (dp_reshardable), which do not say "
+                    "which parameter each element belongs to"
+                    if flat
+                    else ""
+                )
+                + "; leave out --main-params for the model's own weights (or save with "
+                "--dist-ckpt-optim-fully-reshardable, which keeps one fp32 tensor per parameter)"
+            )
+        return _main_params(select(scanned, (), options.exclude), prefix, within)
+
+
+def _main_params(scanned: Scanned, prefix: str, within: str) -> Scanned:
+    """The optimizer's main parameters under the weights' names (``prefix`` removed), and the model's
+    tensors that have none (buffers such as a router's expert bias, which no optimizer keeps; ``within``
+    removed, NeMo's ``module.``); the rest of the optimizer's state left out."""
+    names = scanned.names
+    mains = {name[len(prefix) :] for name in names if name.startswith(prefix)}
+    keep = [
+        t for t, n in enumerate(names) if n.startswith(prefix) or not (n.startswith("optimizer.") or without(n, within) in mains)
+    ]
+    renamed = [without(names[t], prefix if names[t].startswith(prefix) else within) for t in keep]
+    return chosen(scanned, keep, renamed, "--main-params")
 
 
 def _read_rule_file(path: str) -> str:
@@ -166,6 +209,9 @@ def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, own
                 f"adapter {chosen.name}: chosen because the input is a {chosen.title} checkpoint "
                 "(--adapter FILE for other rules, --adapter none for the names as saved)"
             )
+        if options.main_params:
+            precision = f"converted to {options.dtype}" if options.dtype else "in fp32, as the optimizer keeps them"
+            notes.append(f"--main-params: the weights are the optimizer's fp32 main parameters, written {precision}")
         settled = _settled(options, found, chosen)
         rules = None
         if chosen is not None:

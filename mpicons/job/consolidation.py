@@ -189,11 +189,14 @@ def scan_inputs(
     """The scan of ``input_dir`` (through ``store`` when it is open already) with the tensors ``options``
     select (include, exclude, strip_prefix), converted by the adapter's rules when there are any
     (``input_dir``: the adapter's directory of the input, see :meth:`Adapter.directory`)."""
-    allow, prefix = (NOTHING, options.strip_prefix) if adapter is None else (adapter.allow, adapter.strip_prefix(options))
+    allow = NOTHING if adapter is None else adapter.allow
     archives = None if adapter is None else adapter.archives
     scanned = scan_input(input_dir, comm, archives, endpoint=options.s3_endpoint, store=store, allow=allow)
     agree(comm, lambda: check_expected_ranks(scanned, options.expect_ranks))
-    scanned = select(scanned, options.include, options.exclude, prefix)
+    if adapter is None:
+        scanned = select(scanned, options.include, options.exclude, options.strip_prefix)
+    else:
+        scanned = adapter.select(scanned, options)
     if adapter is not None and adapter.rules is not None:
         rules, config = adapter.rules, adapter.config
         conversion = agree(comm, lambda: plan_scanned(scanned, rules, config))

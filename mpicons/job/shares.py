@@ -46,15 +46,25 @@ def select(
     if not keep:
         left_out = count_of(len(names), "tensor")
         raise InputError(f"{scanned.directory}: the --include/--exclude patterns leave none of the {left_out}")
-    renamed = [names[t][len(strip_prefix) :] if strip_prefix and names[t].startswith(strip_prefix) else names[t] for t in keep]
+    renamed = [without(names[t], strip_prefix or "") for t in keep]
+    return chosen(scanned, keep, renamed, f"--strip-prefix {strip_prefix!r}")
+
+
+def without(name: str, prefix: str) -> str:
+    """``name`` less ``prefix`` when it starts with it."""
+    return name[len(prefix) :] if prefix and name.startswith(prefix) else name
+
+
+def chosen(scanned: Scanned, keep: Sequence[int], renamed: Sequence[str], said: str) -> Scanned:
+    """The tensors numbered ``keep`` under the names ``renamed`` (``said``: what renamed them, in
+    messages: no name may be empty or given twice). Pure: every rank computes the same."""
+    names = scanned.names
     seen: dict[str, int] = {}
     for t, new in zip(keep, renamed):
         if not new:
-            raise InputError(f"--strip-prefix {strip_prefix!r}: tensor {names[t]!r} would have no name left")
+            raise InputError(f"{said}: tensor {names[t]!r} would have no name left")
         if new in seen:
-            raise InputError(
-                f"--strip-prefix {strip_prefix!r}: tensors {names[seen[new]]!r} and {names[t]!r} would both be {new!r}"
-            )
+            raise InputError(f"{said}: tensors {names[seen[new]]!r} and {names[t]!r} would both be {new!r}")
         seen[new] = t
     ordered = sorted(range(len(keep)), key=lambda i: renamed[i])
     old = np.array([keep[i] for i in ordered], dtype=np.int64)

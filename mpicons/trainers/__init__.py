@@ -49,6 +49,11 @@ def adapter_names() -> list[str]:
     return [name for name, known in TRAINERS.items() if known.has_rules()]
 
 
+def derived_model_types() -> list[str]:
+    """Every ``model_type`` a trainer derives a config for (``--model-type``'s choices), as ``trainer:type``."""
+    return [f"{name}:{model_type}" for name, known in TRAINERS.items() for model_type in known.derived_model_types]
+
+
 @functools.cache
 def known_rule_sets() -> tuple[tuple[str, RuleSet], ...]:
     """Every trainer's built-in rule sets, each with its ``--adapter`` name: what the hints about names ask
@@ -78,6 +83,7 @@ __all__ = [
     "Settled",
     "Trainer",
     "adapter_names",
+    "derived_model_types",
     "known_rule_sets",
     "recognise",
     "rule_sets_reading",

@@ -91,6 +91,11 @@ class Trainer:
     chosen_unasked = False
     #: How its per-rank ``torch.save`` archives are read (None: its checkpoints are DCP).
     archives: ArchiveFormat | None = None
+    #: The prefixes under which its checkpoints may keep the optimizer's fp32 main parameters, one tensor
+    #: per parameter under the parameter's name (``--main-params``); empty: none mpicons can map back.
+    main_params_prefixes: tuple[str, ...] = ()
+    #: The ``model_type`` values whose config.json it derives from the run itself (``--model-type``'s choices).
+    derived_model_types: tuple[str, ...] = ()
 
     def recognise(self, place: Place) -> Found | None:
         """The checkpoint at ``place`` (the location the user gave) if it is recognisably this trainer's

@@ -20,7 +20,7 @@ from ...core.errors import InputError
 from ...core.names import METADATA_NAME
 from ...io.places import Place
 from ..base import Found, Settled, Trainer
-from .config import check_config, derive_config
+from .config import MODEL_TYPES, check_config, derive_config
 from .files import (
     BACKEND_FILE,
     COMMON_FILE,
@@ -54,6 +54,11 @@ class Megatron(Trainer):
     title = "Megatron-Core torch_dist"
     metadata_allow = METADATA_ALLOW
     chosen_unasked = True
+    derived_model_types = MODEL_TYPES
+    #: Float16Optimizer and the distributed optimizer's fully_sharded_model_space form: ``fp32_param``;
+    #: its fully_reshardable form: ``param`` (FACTS.md §10, §16). Its default dp_reshardable form keeps
+    #: flat per-bucket buffers instead, which name no parameter.
+    main_params_prefixes = ("optimizer.state.fp32_param.", "optimizer.state.param.")
 
     def recognise(self, place: Place) -> Found | None:
         if place.is_file(TRACKER):
