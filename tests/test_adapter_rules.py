@@ -489,9 +489,11 @@ def run_case(case: Case, work: Path) -> None:
     rng = np.random.default_rng(case.seed)
     w = values(rng, case.dtype, case.shape)
     norm = values(rng, case.dtype, (5,))
+    first_norm = values(rng, case.dtype, (5,))  # layer 0 of the config's two, as every model has it
     tensors: dict[str, tuple[str, np.ndarray, list[Box]]] = {
         case.source(): (case.dtype, w, boxes(case.shape, case.row_cuts, case.col_cuts)),
         "blocks.1.norm": (case.dtype, norm, [((0,), (2,)), ((2,), (3,))]),
+        "blocks.0.norm": (case.dtype, first_norm, [((0,), (5,))]),
         "blocks.1.bias_E": ("F32", values(rng, "F32", (3,)), [((0,), (3,))]),
         "optimizer.state.blocks.1.norm.exp_avg": ("F32", values(rng, "F32", (5,)), [((0,), (5,))]),
     }
@@ -507,7 +509,11 @@ def run_case(case: Case, work: Path) -> None:
     result = mpicons.consolidate(
         checkpoint, out, adapter=str(rule_file), hf_assets=assets, buffer_size=case.buffer_size, comm=SingleProcess()
     )
-    expected = {**case.expected(w), "model.layers.1.input_layernorm.weight": norm}
+    expected = {
+        **case.expected(w),
+        "model.layers.0.input_layernorm.weight": first_norm,
+        "model.layers.1.input_layernorm.weight": norm,
+    }
     assert sorted(p.name for p in out.iterdir()) == sorted([OUT_FILE, INDEX, *(["config.json"] if assets else [])])
     index = json.loads((out / INDEX).read_text())
     assert index["weight_map"] == {name: OUT_FILE for name in expected}

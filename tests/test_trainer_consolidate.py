@@ -103,7 +103,7 @@ def test_tied_embeddings_are_written_once(kind: str, tmp_path: Path) -> None:
     """What the official converter crashes on: lm_head.weight saved as the embeddings is written once, under their name."""
     params = _tied_params(np.random.default_rng(3))
     tied = {"lm_head.weight": "model.embed_tokens.weight"}
-    source = tmp_path / ("actor" if kind == "verl" else "global_step3")
+    source = tmp_path / "run" / ("actor" if kind == "verl" else "global_step3")  # the output beside the run, not in it
     if kind == "verl":
         write_verl(source, params, 3, tied=tied)
     else:

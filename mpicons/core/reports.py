@@ -26,6 +26,7 @@ KINDS: dict[str, str] = {
     "shard name": "shard file names that do not say consistently which output file each feeds",
     "ranks": "the shard files do not come from exactly the training ranks --expect-ranks gives",
     "model shape": "a tensor's shape differs from the one the model's config.json gives it (a missing training rank?)",
+    "model config": "the model's config.json contradicts the weights: their layers, an output layer, tensors its model has",
     "unreadable": "a file that cannot be read (the system's reason given), or that changed while read",
     # verify: a consolidated checkpoint as it is on disk
     "refused": "an entry verify does not open: a link (unless followed), a FIFO, a device, a directory",

@@ -300,7 +300,7 @@ def inspect(
     for name in sorted(scanned.unreadable):
         problems.add(Problem(scanned.unreadable[name], name, kind="unreadable"), position[name])
     layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, problems))
-    verdict = judge(comm, layout_tensors(layout), adapter.model)
+    verdict = judge(comm, layout_tensors(layout), adapter.model, whole=not (options.include or options.exclude))
     for t, problem in verdict.problems():
         problems.add(problem, t)
     file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)

@@ -278,7 +278,7 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
     comparable, problems = against_checks(
         layout, against, output_dir, checked.listing, checked.results, located, known_rule_sets()
     )
-    verdict = judge(comm, layout_tensors(layout), adapter.model)
+    verdict = judge(comm, layout_tensors(layout), adapter.model, whole=not (options.include or options.exclude))
     problems += ([] if ranks_problem is None else [ranks_problem]) + [p for _, p in verdict.problems()]
     report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))
     shares = agree(

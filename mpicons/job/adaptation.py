@@ -170,6 +170,47 @@ def _recognised(input_dir: str | None, endpoint: str | None) -> Found | None:
     return recognise(LocalPlace(input_dir))
 
 
+def refuse_checkpoint_output(output_dir: str, input_dir: str) -> None:
+    """Bad input when the output directory is the input given, or is (or lies inside) a checkpoint a trainer
+    recognises: a model published among a run's files spoils the run's folder and the model (both
+    arguments swapped, most often). A local output only; an ``s3://`` one is checked against the input's prefix."""
+    if is_s3(output_dir) or "{rank}" in output_dir:
+        return
+    out = os.path.realpath(output_dir)
+    if not is_s3(input_dir) and "{rank}" not in input_dir and os.path.realpath(input_dir) == out:
+        raise InputError(f"{output_dir}: output directory is the input directory; give another directory for the model")
+    path = out
+    while True:
+        found = _checkpoint_at(path)
+        if found is not None:
+            title = TRAINERS[found.trainer].title
+            where = f"is a {title} checkpoint" if path == out else f"is inside a {title} checkpoint ({path})"
+            raise InputError(
+                f"{output_dir}: the output directory {where}: mpicons never writes into a training run's folder. "
+                "Are the arguments swapped (mpicons consolidate CHECKPOINT OUTPUT_DIR)? Give an output directory "
+                "outside the run"
+            )
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
+
+
+def _checkpoint_at(path: str) -> Found | None:
+    """The checkpoint a trainer recognises at ``path``; one a trainer claims but cannot read counts too."""
+    if not os.path.isdir(path):
+        return None
+    place = LocalPlace(path)
+    for name, known in TRAINERS.items():
+        try:
+            found = known.recognise(place)
+        except InputError:
+            return Found(name, path, "checkpoint")
+        if found is not None:
+            return found
+    return None
+
+
 def _settled(options: Options, found: Found | None, chosen: Trainer | None) -> Settled:
     """The assets (``--hf-assets``, else those saved with the checkpoint), and the config as the adapter's
     trainer (or, under a rule file, the input's) settles it."""

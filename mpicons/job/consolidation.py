@@ -38,7 +38,7 @@ from ..io.s3 import S3Location, is_s3
 from ..io.s3_output import IN_FLIGHT
 from ..io.sources import SourceFiles
 from ..trainers import rule_sets_reading
-from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter, plan_scanned
+from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter, plan_scanned, refuse_checkpoint_output
 from .archive_scan import scan_input
 from .dropped import dropped_warnings
 from .exchange import ExchangeWriter
@@ -262,7 +262,7 @@ def plan_job(
     for an object-store output (see :func:`layout_of`); ``model``: the model's config, whose shapes are
     checked before the pieces move."""
     layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, gather_to=options.gather_to, min_part=min_part))
-    check_model_shapes(comm, layout, model)
+    check_model_shapes(comm, layout, model, whole=not (options.include or options.exclude))
     agree(comm, lambda: output_format(options.output_format).check(layout))
     part = distribute(comm, scanned, layout)
     # The node-local exchange's blocks (four output slots) are the smallest any writer uses.
@@ -436,6 +436,7 @@ def _scan_phase(
 
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
     adapter = load_adapter(comm, options, input_dir)
+    agree_on(comm, 0, lambda: refuse_checkpoint_output(output_dir, input_dir))
     input_dir = adapter.directory(input_dir)  # a trainer's run directory: the iteration's
     check_output_names(comm, owner, output_dir, mapped_names(mapping))
     check_machine(comm, input_dir, output_dir, options.buffer_size, inside_input)

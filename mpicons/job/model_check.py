@@ -25,13 +25,13 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..comm.agreement import Comm, agree, agree_on
 from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
-from ..core.model_shapes import Mismatch, Shapes, config_shapes, mismatches, stop_message
+from ..core.model_shapes import Disagreement, Mismatch, Shapes, config_shapes, disagreements, mismatches, stop_message
 from ..core.reports import Problem, count_of
 from ..io.s3 import is_s3
 from .scan import rank_directory
@@ -64,15 +64,20 @@ class ModelShapes:
 @dataclass(frozen=True)
 class Verdict:
     """The checkpoint's tensors against the model: the shapes that decided (None: nothing to compare
-    with) and the tensors that differ from them."""
+    with), the tensors that differ from them, and what the config says that the weights contradict."""
 
     model: ModelShapes | None
     found: list[Mismatch]
+    disagree: list[Disagreement] = field(default_factory=list)
+    config_path: str = ""
+    names: list[str] = field(default_factory=list)
 
-    def problems(self) -> list[tuple[int, Problem]]:
-        """(tensor number, problem) of each tensor that differs."""
+    def problems(self) -> list[tuple[int | None, Problem]]:
+        """(tensor number or None, problem): the config's disagreements, then each tensor that differs."""
         assert self.model is not None or not self.found
-        return [(m.tensor, m.problem(self.model.source)) for m in self.found] if self.model is not None else []
+        position = {name: t for t, name in enumerate(self.names)}
+        said = [(position.get(d.tensor or ""), d.problem(self.config_path)) for d in self.disagree]
+        return said + ([(m.tensor, m.problem(self.model.source)) for m in self.found] if self.model is not None else [])
 
     def checked(self, names: list[str]) -> str | None:
         """``shapes of 21 of 27 tensors checked against PATH, ...``; None when no tensor is one of the model's."""
@@ -216,8 +221,10 @@ def load_model_config(comm: Comm, input_dir: str, assets: HFAssets | None) -> Mo
     return agree_on(comm, 0, find)
 
 
-def judge(comm: Comm, tensors: Iterable[tuple[str, tuple[int, ...]]], model: ModelConfig | None) -> Verdict:
-    """The tensors ``(name, shape)`` against the model (collective: every rank passes the same tensors).
+def judge(comm: Comm, tensors: Iterable[tuple[str, tuple[int, ...]]], model: ModelConfig | None, whole: bool = True) -> Verdict:
+    """The tensors ``(name, shape)`` against the model (collective: every rank passes the same tensors);
+    ``whole``: no tensor was left out on purpose (``--include``, ``--exclude``), so every one the model
+    has must be there.
 
     The config's fields decide when they know the architecture and every tensor agrees; otherwise rank
     0 asks transformers (a child process), whose shapes decide when it can build the model.
@@ -225,29 +232,34 @@ def judge(comm: Comm, tensors: Iterable[tuple[str, tuple[int, ...]]], model: Mod
     if model is None:
         return Verdict(None, [])
     listed = list(tensors)
+    names = [name for name, _ in listed]
+    said = (disagreements(model.config, names, whole), model.path, names)
     family = model.config.get("model_type")
     fields = None if model.fields is None else ModelShapes(model.fields, f"{model.path}, its {family} fields")
     found = [] if fields is None else mismatches(listed, fields.shapes)
     if fields is not None and not found:
-        return Verdict(fields, [])
+        return Verdict(fields, [], *said)
     built = agree_on(comm, 0, lambda: _transformers_shapes(model.config))
     if built is None:
         if fields is None:
             log.info("%s: model_type %r is not one mpicons knows without transformers: shapes not checked", model.path, family)
-        return Verdict(fields, found)
+        return Verdict(fields, found, *said)
     shapes = ModelShapes({**(model.fields or {}), **built[0]}, f"{model.path}, {built[1]}")
-    return Verdict(shapes, mismatches(listed, shapes.shapes))
+    return Verdict(shapes, mismatches(listed, shapes.shapes), *said)
 
 
 def layout_tensors(layout: Layout) -> list[tuple[str, tuple[int, ...]]]:
     return [(t.name, t.shape) for t in layout.tensors]
 
 
-def check_model_shapes(comm: Comm, layout: Layout, model: ModelConfig | None) -> None:
-    """Bad input on every rank when an output tensor's shape is not the model's (the layout is everyone's)."""
-    verdict = judge(comm, layout_tensors(layout), model)
+def check_model_shapes(comm: Comm, layout: Layout, model: ModelConfig | None, whole: bool = True) -> None:
+    """Bad input on every rank when the config contradicts the weights or an output tensor's shape is not
+    the model's (the layout is everyone's)."""
+    verdict = judge(comm, layout_tensors(layout), model, whole)
 
     def check() -> None:
+        if verdict.disagree:
+            raise InputError(verdict.disagree[0].problem(verdict.config_path).message)
         if verdict.found:
             assert verdict.model is not None
             raise InputError(stop_message(verdict.found, verdict.model.source))

@@ -1,0 +1,197 @@
+"""A config.json that does not match the weights is refused before anything is published: the layers,
+the output layer of untied embeddings, every tensor a known family's model has, and each tensor's shape.
+
+The pure checks run on names; the job's on real checkpoints (DeepSpeed ZeRO-3 and Megatron-LM fixtures)
+with a config changed in one field: exit 2 naming the config file, the key and both values, nothing
+written; ``inspect`` and ``verify --against`` report the same. A config that agrees goes through.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from helpers import cli, load_tensors
+from megatron_cases import expected_dir
+
+import mpicons
+from mpicons.comm import SingleProcess
+from mpicons.core.errors import InputError
+from mpicons.core.model_shapes import config_shapes, disagreements
+
+FIXTURES = Path(__file__).parent / "fixtures"
+ZERO3 = FIXTURES / "deepspeed" / "llama-zero3"
+TIMEOUT = 120
+
+
+def llama(layers: int = 2, **extra: object) -> dict:
+    return {
+        "model_type": "llama",
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 12,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 2,
+        **extra,
+    }
+
+
+def names_of(config: dict) -> list[str]:
+    shapes = config_shapes(config)
+    assert shapes is not None
+    return list(shapes)
+
+
+def test_the_weights_of_the_configs_model_agree() -> None:
+    config = llama()
+    assert disagreements(config, names_of(config)) == []
+    tied = llama(tie_word_embeddings=True)
+    assert disagreements(tied, [n for n in names_of(tied) if n != "lm_head.weight"]) == []
+
+
+def test_layers_past_the_config_or_missing_from_the_weights_are_named() -> None:
+    (found,) = disagreements(llama(2), names_of(llama(3)))
+    assert (found.key, found.said, found.tensor) == ("num_hidden_layers", 2, "model.layers.2.input_layernorm.weight")
+    assert "hold layers up to 2 (3 layers)" in found.found
+    (found,) = disagreements(llama(3), names_of(llama(2)))
+    assert (found.key, found.said) == ("num_hidden_layers", 3) and "hold no layer 2 (2 layers: layers 0 to 1)" in found.found
+    # Tensors left out on purpose (--include/--exclude): missing layers are not the config's fault; extra ones are.
+    assert disagreements(llama(3), names_of(llama(2)), whole=False) == []
+    assert [d.key for d in disagreements(llama(2), names_of(llama(3)), whole=False)] == ["num_hidden_layers"]
+
+
+def test_untied_embeddings_need_an_output_layer() -> None:
+    names = [n for n in names_of(llama()) if n != "lm_head.weight"]
+    (found,) = disagreements(llama(), names)
+    assert (found.key, found.said) == ("tie_word_embeddings", False) and "no lm_head.weight" in found.found
+    # A family mpicons does not know says nothing unless its config does.
+    assert disagreements({"model_type": "other", "num_hidden_layers": 2}, names) == []
+    assert [d.key for d in disagreements({"model_type": "other", "tie_word_embeddings": False}, names)] == ["tie_word_embeddings"]
+
+
+def test_a_known_familys_tensors_must_all_be_there() -> None:
+    qwen3 = llama(model_type="qwen3", head_dim=4)
+    (found,) = disagreements(qwen3, names_of(llama()))
+    assert (found.key, found.said) == ("model_type", "qwen3")
+    assert "have no model.layers.0.self_attn.q_norm.weight and 3 more tensors its model has" in found.found
+
+
+def test_deepseeks_multi_token_prediction_layers_come_after_the_config_s() -> None:
+    config = json.loads((expected_dir("deepseekv3-ep2") / "config.json").read_text())
+    names = list(load_tensors(expected_dir("deepseekv3-ep2") / "model.safetensors"))
+    assert disagreements(config, names) == []
+    mtp = [n.replace("model.layers.2.", "model.layers.3.") for n in names if n.startswith("model.layers.2.")]
+    assert [d.key for d in disagreements(config, names + mtp)] == ["num_hidden_layers"]
+    assert disagreements({**config, "num_nextn_predict_layers": 1}, names + mtp) == []
+
+
+# ---------------------------------------------------------------- the job, on real checkpoints
+
+
+def changed_assets(tmp_path: Path, **fields: object) -> Path:
+    """ZeRO-3's Hugging Face files with ``fields`` changed in config.json."""
+    assets = tmp_path / "assets"
+    shutil.copytree(ZERO3 / "hf", assets)
+    config = json.loads((assets / "config.json").read_text())
+    (assets / "config.json").write_text(json.dumps({**config, **fields}))
+    return assets
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"num_hidden_layers": 4}, "num_hidden_layers is 4, but the weights hold no layer 3 (3 layers: layers 0 to 2)"),
+        ({"num_hidden_layers": 2}, "num_hidden_layers is 2, but the weights hold layers up to 2 (3 layers)"),
+        (
+            {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]},
+            "model_type is 'qwen3', but the weights have no model.layers.0.self_attn.q_norm.weight",
+        ),
+    ],
+)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_config_that_does_not_match_the_weights_is_refused(tmp_path: Path, fields: dict, said: str, ranks: int) -> None:
+    assets = changed_assets(tmp_path, **fields)
+    out = tmp_path / "hf"
+    proc = cli(ranks, "consolidate", ZERO3 / "checkpoint", out, "--hf-assets", assets, timeout=TIMEOUT)[0]
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert f"{assets / 'config.json'}: {said}" in " ".join(proc.stderr.split()), proc.stderr
+    assert "missing training rank" not in proc.stderr and not out.exists()
+
+
+def test_inspect_and_verify_report_the_same_disagreement(tmp_path: Path) -> None:
+    assets = changed_assets(tmp_path, num_hidden_layers=2)
+    report = mpicons.inspect(ZERO3 / "checkpoint", hf_assets=assets, comm=SingleProcess())
+    assert not report.ok
+    assert [p.kind for p in report.problems if p.kind == "model config"] == ["model config"], report.problems
+    good = tmp_path / "good"
+    mpicons.consolidate(ZERO3 / "checkpoint", good, hf_assets=ZERO3 / "hf", comm=SingleProcess(), sync=False)
+    result = mpicons.verify(good, against=ZERO3 / "checkpoint", hf_assets=assets, comm=SingleProcess())
+    assert not result.ok and any(p.kind == "model config" for p in result.problems), result.problems
+
+
+def test_the_checkpoints_own_config_goes_through_and_left_out_tensors_are_not_blamed_on_it(tmp_path: Path) -> None:
+    mpicons.consolidate(ZERO3 / "checkpoint", tmp_path / "all", hf_assets=ZERO3 / "hf", comm=SingleProcess(), sync=False)
+    mpicons.consolidate(
+        ZERO3 / "checkpoint",
+        tmp_path / "some",
+        hf_assets=ZERO3 / "hf",
+        exclude=("model.layers.2.*",),
+        comm=SingleProcess(),
+        sync=False,
+    )
+    with pytest.raises(InputError, match="num_hidden_layers is 2"):
+        mpicons.consolidate(
+            ZERO3 / "checkpoint",
+            tmp_path / "fewer",
+            hf_assets=changed_assets(tmp_path, num_hidden_layers=2),
+            exclude=("lm_head.*",),
+            comm=SingleProcess(),
+        )
+
+
+# ---------------------------------------------------------------- never into a training run's folder
+
+RUNS = {
+    "deepspeed": FIXTURES / "deepspeed" / "llama-zero3" / "checkpoint",
+    "verl": FIXTURES / "verl" / "llama-fsdp2" / "checkpoint",
+    "megatron": FIXTURES / "megatron" / "qwen2-tp2" / "checkpoint",
+}
+
+
+def run_copy(trainer: str, tmp_path: Path) -> Path:
+    """A writable copy of a trainer's run folder (a refusal that failed must not write into the fixtures)."""
+    copy = tmp_path / f"{trainer}-run"
+    shutil.copytree(RUNS[trainer], copy)
+    return copy
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob("*"))
+
+
+@pytest.mark.parametrize("trainer", list(RUNS))
+@pytest.mark.parametrize("where", ["run", "inside", "step"])
+def test_a_model_is_never_published_into_a_training_run(trainer: str, where: str, tmp_path: Path) -> None:
+    """The arguments swapped (a model directory, then a run folder), or an output inside a run: exit 2, nothing written."""
+    run = run_copy(trainer, tmp_path)
+    before = listing(run)
+    step = next(p for p in sorted(run.iterdir()) if p.is_dir())
+    output = {"run": run, "inside": run / "hf", "step": step}[where]
+    model = tmp_path / "model"
+    mpicons.consolidate(expected_dir("llama-tp2"), model, comm=SingleProcess(), sync=False)
+    proc = cli(1, "consolidate", model, output, timeout=TIMEOUT)[0]
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    words = " ".join(proc.stderr.split())
+    assert "mpicons never writes into a training run's folder" in words and "swapped" in words, proc.stderr
+    assert listing(run) == before
+
+
+@pytest.mark.parametrize("trainer", ["verl", "megatron", "deepspeed"])
+def test_the_run_as_its_own_output_is_refused(trainer: str, tmp_path: Path) -> None:
+    run = run_copy(trainer, tmp_path)
+    before = listing(run)
+    proc = cli(2, "consolidate", run, run, timeout=TIMEOUT)[0]
+    assert proc.returncode == 2 and "output directory is the input directory" in proc.stderr, proc.stderr
+    assert listing(run) == before
