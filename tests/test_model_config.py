@@ -195,3 +195,38 @@ def test_the_run_as_its_own_output_is_refused(trainer: str, tmp_path: Path) -> N
     proc = cli(2, "consolidate", run, run, timeout=TIMEOUT)[0]
     assert proc.returncode == 2 and "output directory is the input directory" in proc.stderr, proc.stderr
     assert listing(run) == before
+
+
+@pytest.mark.parametrize(
+    ("family", "extra"),
+    [
+        ("mixtral", {"num_local_experts": 3}),
+        (
+            "deepseek_v3",
+            {
+                "n_routed_experts": 4,
+                "q_lora_rank": 16,
+                "kv_lora_rank": 8,
+                "qk_nope_head_dim": 8,
+                "qk_rope_head_dim": 4,
+                "v_head_dim": 6,
+                "first_k_dense_replace": 1,
+                "moe_intermediate_size": 12,
+                "n_shared_experts": 2,
+                "n_group": 1,
+                "topk_group": 1,
+            },
+        ),
+    ],
+)
+def test_the_config_fields_give_what_transformers_saves(family: str, extra: dict, tmp_path: Path) -> None:
+    """Mixtral and DeepSeek-V3 as transformers' ``save_pretrained`` writes them: every name and shape."""
+    pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    settings = dict(vocab_size=101, hidden_size=48, intermediate_size=40, num_hidden_layers=3, num_attention_heads=4)
+    config = transformers.AutoConfig.for_model(family, num_key_value_heads=2, **settings, **extra)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "model")
+    saved = {name: tuple(shape) for name, (_, shape, _) in load_tensors(tmp_path / "model" / "model.safetensors").items()}
+    written = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config_shapes(written) == saved
+    assert disagreements(written, list(saved)) == []
