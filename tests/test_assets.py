@@ -306,6 +306,7 @@ def test_a_name_the_checkpoint_takes_is_refused_even_if_not_taken_for_a_weight(t
     directory = assets_copy(tmp_path)
     (directory / "model-00001-of-00002.safetensors").write_bytes(b"weights")
     monkeypatch.setattr(assets_module, "WEIGHT_PATTERNS", ())
+    monkeypatch.setattr(assets_module, "MODEL_FILE_PATTERNS", ("*",))  # the allow-list is a third, separate list
     (directory / "model.safetensors.index.json").unlink()
     assert "checkpoint file" in refused(directory, directory / "model-00001-of-00002.safetensors")
 
@@ -403,3 +404,19 @@ def test_staged_files_are_flushed_when_durable(tmp_path, monkeypatch, durable):
     staging = staging_dir(tmp_path)
     stage_assets(read_assets(assets_copy(tmp_path)), str(staging), "BF16", durable)
     assert sorted(flushed) == ([os.path.realpath(staging / name) for name in COPIED] if durable else [])
+
+
+def test_only_a_models_files_are_published_and_the_rest_is_reported(tmp_path):
+    """An HF-Trainer checkpoint folder as --hf-assets: config and tokenizer go out; DeepSpeed's and the
+    trainer's files stay, named in the report."""
+    directory = assets_copy(tmp_path)
+    trainer_files = ["latest", "zero_to_fp32.py", "zero_to_torch.py", "trainer_state.json", "rng_state_0.pth", "training_args.bin"]
+    for name in [*trainer_files, "scheduler.pt", "notes.txt"]:
+        (directory / name).write_bytes(b"a trainer's own")
+    (directory / "global_step2").mkdir()
+    found = read_assets(directory)
+    assert not set(found.files) & {*trainer_files, "scheduler.pt", "notes.txt"}
+    assert "config.json" in found.files and "tokenizer.json" in found.files
+    said = " ".join(found.notes)
+    assert "latest" in said and "zero_to_fp32.py" in said and "trainer_state.json" in said and "notes.txt" in said
+    assert "global_step2/" in said

@@ -230,3 +230,48 @@ def test_the_config_fields_give_what_transformers_saves(family: str, extra: dict
     written = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config_shapes(written) == saved
     assert disagreements(written, list(saved)) == []
+
+
+# ---------------------------------------------------------------- an HF Trainer checkpoint-N/ folder
+
+TRAINER_FILES = ("zero_to_fp32.py", "zero_to_torch.py", "trainer_state.json", "training_args.bin", "rng_state_0.pth")
+
+
+def hf_trainer_folder(tmp_path: Path) -> Path:
+    """What Hugging Face's Trainer with DeepSpeed saves: checkpoint-2/ holding global_step2/, latest, the
+    model's config and the trainer's own files."""
+    folder = tmp_path / "run" / "checkpoint-2"
+    shutil.copytree(ZERO3 / "checkpoint", folder)
+    for asset in (ZERO3 / "hf").iterdir():
+        shutil.copy(asset, folder / asset.name)
+    for name in TRAINER_FILES:
+        (folder / name).write_text("a trainer's own file\n")
+    return folder
+
+
+@pytest.mark.parametrize("given", ["checkpoint-2", "global_step2"])
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_an_hf_trainer_checkpoint_folder_consolidates_by_itself(given: str, ranks: int, tmp_path: Path) -> None:
+    folder = hf_trainer_folder(tmp_path)
+    source = folder if given == "checkpoint-2" else folder / "global_step2"
+    out = tmp_path / "hf"
+    proc = cli(ranks, "consolidate", source, out, "--no-sync", timeout=TIMEOUT)[0]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert (out / "config.json").read_bytes() == (ZERO3 / "hf" / "config.json").read_bytes()
+    assert load_tensors(out / "model.safetensors") == load_tensors(ZERO3 / "expected-fp32" / "model.safetensors")
+    said = " ".join(proc.stdout.split())
+    assert f"the model's Hugging Face files (config, tokenizer) from {folder}" in said, proc.stdout
+    assert "zero_to_fp32.py" in said and "not a model's files" in said
+    # The output is the model, not a checkpoint: it can be given again as an input.
+    again = tmp_path / "again"
+    proc = cli(1, "consolidate", out, again, "--no-sync", timeout=TIMEOUT)[0]
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_an_output_without_a_config_says_how_to_make_it_loadable(tmp_path: Path) -> None:
+    out = tmp_path / "hf"
+    result = mpicons.consolidate(ZERO3 / "checkpoint", out, comm=SingleProcess(), sync=False)
+    assert any("transformers cannot load" in note and "--hf-assets DIR" in note for note in result.input_notes)
+    with_assets = mpicons.consolidate(ZERO3 / "checkpoint", tmp_path / "b", hf_assets=ZERO3 / "hf", comm=SingleProcess())
+    assert not any("transformers cannot load" in note for note in with_assets.input_notes)

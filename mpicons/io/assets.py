@@ -7,9 +7,12 @@ A user keeps ``config.json``, the tokenizer files and ``generation_config.json``
 directory, so the assets are published in the same transaction as the weights: never a model
 directory with weights and no config, or the reverse.
 
-Only regular files directly in DIR are copied (a link is followed only to a regular file); the
-weights and indexes found there are not (mpicons writes its own), nor are hidden entries and
-subdirectories. Copies are made in blocks in the kernel, never a whole file in memory. DIR may be an
+Only a model's own files directly in DIR are copied (:data:`MODEL_FILE_PATTERNS`: config, generation
+config, tokenizer and its parts, chat template, processor configs, remote code, model card, licence;
+a link is followed only to a regular file). A trainer's files that often sit beside them in a
+checkpoint folder (``latest``, ``zero_to_fp32.py``, ``trainer_state.json``, rng and optimizer
+states) are left out and reported, and so are the weights and indexes (mpicons writes its own),
+hidden entries and subdirectories. Copies are made in blocks in the kernel, never a whole file in memory. DIR may be an
 ``s3://`` prefix: its objects are sorted the same way and read whole (:attr:`HFAssets.contents`).
 """
 
@@ -48,6 +51,43 @@ WEIGHT_PATTERNS = (
     "*.index.json",
     ".metadata",
     "*.distcp",
+)
+#: A model's own files, the only ones copied (fnmatch patterns on the name): what ``from_pretrained``
+#: and a tokenizer or processor read, the remote code a ``trust_remote_code`` model imports, and what a
+#: model repository publishes with them (card, licence, notices).
+MODEL_FILE_PATTERNS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "*.tiktoken",
+    "tiktoken.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "spiece.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    "feature_extractor_config.json",
+    "configuration_*.py",
+    "modeling_*.py",
+    "tokenization_*.py",
+    "processing_*.py",
+    "image_processing_*.py",
+    "README.md",
+    "LICENSE",
+    "LICENSE.*",
+    "LICENCE",
+    "NOTICE",
+    "NOTICE.*",
+    "USE_POLICY.md",
 )
 #: Largest ``config.json`` or index read (both are parsed whole; real ones are kilobytes to a few megabytes).
 READ_LIMIT = 100 << 20
@@ -93,6 +133,7 @@ def read_assets(directory: str | os.PathLike[str], endpoint: str | None = None) 
     subdirectories: list[str] = []
     weights: list[str] = []
     hidden: list[str] = []
+    others: list[str] = []
     has_index = False
     for name in sorted(_list(path)):
         full = os.path.join(path, name)
@@ -110,11 +151,13 @@ def read_assets(directory: str | os.PathLike[str], endpoint: str | None = None) 
         mode = _target_mode(full)
         if stat.S_ISDIR(mode):
             subdirectories.append(name)
+        elif not is_model_file(name):
+            others.append(name)  # never opened, whatever it is
         elif not stat.S_ISREG(mode):
             raise _not_regular(full, mode)
         else:
             kept.append(name)
-    sorted_out = _SortedEntries(kept, subdirectories, weights, hidden, has_index)
+    sorted_out = _SortedEntries(kept, subdirectories, weights, hidden, has_index, others)
     return _assets(path, sorted_out, lambda name: _read_file(os.path.join(path, name)))
 
 
@@ -127,6 +170,12 @@ class _SortedEntries:
     weights: list[str] = field(default_factory=list)  # never read
     hidden: list[str] = field(default_factory=list)
     has_index: bool = False  # model.safetensors.index.json: read for its weight_map
+    others: list[str] = field(default_factory=list)  # not a model's files: a trainer's, the user's own
+
+
+def is_model_file(name: str) -> bool:
+    """Whether ``name`` is one of a model's own files (:data:`MODEL_FILE_PATTERNS`), copied with the weights."""
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in MODEL_FILE_PATTERNS)
 
 
 def _assets(
@@ -148,6 +197,11 @@ def _assets(
         notes.append(f"{index_path}: its weight_map decides the output files; mpicons writes its own index")
     if entries.hidden:
         notes.append(f"left out hidden {describe_names(entries.hidden)} of {path}")
+    if entries.others:
+        notes.append(
+            f"left out {describe_names(entries.others, show=8)} of {path}: not a model's files (config, tokenizer, "
+            "chat template, processor, remote code, card, licence are copied; the list is in docs/assets.md)"
+        )
     return HFAssets(path, config, weight_map, tuple(kept), tuple(notes), config_bytes, contents)
 
 
@@ -170,10 +224,12 @@ def _read_object_assets(url: str, endpoint: str | None) -> HFAssets:
                 entries.weights.append(name)
         elif name.startswith("."):
             entries.hidden.append(name)
-        elif place.is_file(name):
+        elif not place.is_file(name):
+            entries.subdirectories.append(name)
+        elif is_model_file(name):
             entries.kept.append(name)
         else:
-            entries.subdirectories.append(name)
+            entries.others.append(name)
 
     def read(name: str) -> bytes:
         return place.read_small(name, "a file mpicons reads from --hf-assets", limit=READ_LIMIT)

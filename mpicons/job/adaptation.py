@@ -263,7 +263,8 @@ def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, own
             TRAINERS[found.trainer].metadata_allow if found is not None else (NOTHING if named is None else named.metadata_allow)
         )
         shared = None if found is None else replace(found, place=None)  # a place holds a connection: it stays here
-        return Adapter(rules, settled.assets, shared, allow, (*notes, *settled.notes))
+        left_out = () if settled.assets is None else settled.assets.notes
+        return Adapter(rules, settled.assets, shared, allow, (*notes, *settled.notes, *left_out))
 
     adapter = agree_on(comm, owner, read)
     if input_dir is None:

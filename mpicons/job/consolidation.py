@@ -343,13 +343,23 @@ def consolidate(
     return _with_names_report(result, scanned, options, adapter)
 
 
+#: The report's line for an output without a config: what a user would otherwise find out from transformers.
+NO_CONFIG = (
+    "no config.json was published with the weights, so transformers cannot load {} as it is: give the model's "
+    "Hugging Face files (config.json, tokenizer) with --hf-assets DIR"
+)
+
+
 def _with_names_report(result: ConsolidateResult, scanned: Scanned, options: Options, adapter: Adapter) -> ConsolidateResult:
     """The result with its lines about names and the input: the adapter's skipped and dropped entries and its
     warnings, or, without an adapter, the one the names seem to need; what the trainer's leaf noted of the
     input; and the assets published."""
     conversion = scanned.conversion
     assets = [] if adapter.assets is None else list(adapter.assets.files)
-    result = replace(result, assets=assets, input_notes=[*adapter.notes, *scanned.notes])
+    unloadable = (
+        [] if "config.json" in assets or options.output_format != "safetensors" else [NO_CONFIG.format(result.output_dir)]
+    )
+    result = replace(result, assets=assets, input_notes=[*adapter.notes, *scanned.notes, *unloadable])
     if conversion is not None:
         return replace(result, adapted=conversion.summary(), warnings=list(conversion.warnings.values()))
     note = None if options.adapter is not None else trainer_names_note(scanned.names, rule_sets_reading(scanned.names))

@@ -21,6 +21,7 @@ from .layout import zero_layout
 from .records import ZeroModel, ZeroPartition, read_model_states, read_optim_states
 
 RUN_LAYOUT, TAG_LAYOUT = "run directory", "checkpoint directory"
+CONFIG_NAME = "config.json"
 
 
 def _files(names: Sequence[str], directory: str) -> ZeroFiles:
@@ -70,10 +71,17 @@ class DeepSpeed(Trainer):
             if detect(step.entries(), step.path) is None:
                 return None
             note = f"{self.title} checkpoint {tag} (named by {latest}): {step.path}"
-            return Found(self.name, step.path, RUN_LAYOUT, (note,), place=step)
+            return Found(self.name, step.path, RUN_LAYOUT, (note,), assets=_assets_in(place), place=step)
         if detect(names, place.path) is None:
             return None
-        return Found(self.name, place.path, TAG_LAYOUT, (f"{self.title} checkpoint: {place.path}",), place=place)
+        note = f"{self.title} checkpoint: {place.path}"
+        return Found(self.name, place.path, TAG_LAYOUT, (note,), assets=_assets_in(place.parent()), place=place)
+
+
+def _assets_in(folder: Place) -> str | None:
+    """The folder itself when it holds the model's ``config.json``: Hugging Face Trainer's ``checkpoint-N/``
+    keeps the config and tokenizer beside DeepSpeed's ``global_stepN/`` (only a model's files are published)."""
+    return folder.path if folder.is_file(CONFIG_NAME) else None
 
 
 DEEPSPEED = DeepSpeed()
