@@ -12,9 +12,11 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import cli, load_tensors
 from megatron_cases import expected_dir
+from test_adapter_rules import write_checkpoint
 
 import mpicons
 from mpicons.comm import SingleProcess
@@ -275,3 +277,28 @@ def test_an_output_without_a_config_says_how_to_make_it_loadable(tmp_path: Path)
     assert any("transformers cannot load" in note and "--hf-assets DIR" in note for note in result.input_notes)
     with_assets = mpicons.consolidate(ZERO3 / "checkpoint", tmp_path / "b", hf_assets=ZERO3 / "hf", comm=SingleProcess())
     assert not any("transformers cannot load" in note for note in with_assets.input_notes)
+
+
+# ---------------------------------------------------------------- not a model
+
+
+def test_optimizer_state_alone_is_not_passed_off_as_a_model(tmp_path: Path) -> None:
+    """accelerate's optimizer_0/ (DCP of the optimizer's state alone): exit 2 saying what it is; asked for
+    on purpose (--include), written."""
+    rng = np.random.default_rng(5)
+    state = {
+        f"optimizer.state.model.layers.{i}.weight.{moment}": (
+            "F32",
+            rng.standard_normal((4, 3)).astype(np.float32),
+            [((0, 0), (4, 3))],
+        )
+        for i in range(2)
+        for moment in ("exp_avg", "exp_avg_sq")
+    }
+    folder = write_checkpoint(tmp_path / "optimizer_0", state)
+    proc = cli(2, "consolidate", folder, tmp_path / "out", timeout=TIMEOUT)[0]
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "holds optimizer state only (4 tensors named optimizer.*), no model weights" in " ".join(proc.stderr.split())
+    assert not (tmp_path / "out").exists()
+    asked = mpicons.consolidate(folder, tmp_path / "asked", include=("optimizer.*",), comm=SingleProcess(), sync=False)
+    assert sorted(t.name for t in asked.layout.tensors) == sorted(state)

@@ -108,7 +108,10 @@ def test_without_force_an_old_checkpoint_is_refused(before):
         publish_new(out, force=False)
         assert snapshot(out) == NEW
         return
-    with pytest.raises(InputError, match=r"already holds model.safetensors.index.json, .* \(use --force to replace them\)"):
+    with pytest.raises(
+        InputError,
+        match=r"already holds model.safetensors.index.json, .* \(use --force to replace them; force=True from Python\)",
+    ):
         publish_new(out, force=False)
     assert snapshot(out) == state
     assert not any(p.name.startswith(".") for p in out.iterdir())

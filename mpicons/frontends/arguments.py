@@ -188,13 +188,18 @@ def _seconds(text: str) -> float:
 _BUFFER_SIZE_TEXT = f"{DEFAULT_BUFFER_SIZE >> 20}M"
 _MAPPING_HELP = "tensor → output file: {name: index} JSON or a model.safetensors.index.json"
 _SPLIT_HELP = "work split over ranks (default: %(default)s)"
-_INPUT_HELP = "the sharded checkpoint: shard-RRRRR-model-IIIII-of-NNNNN.safetensors files, or .metadata and .distcp files"
+_INPUT_HELP = (
+    "the sharded checkpoint: torch DCP (shard-RRRRR-model-IIIII-of-NNNNN.safetensors files, or .metadata and "
+    ".distcp files), or a trainer's run, step or iteration folder (torchtitan, Megatron-Core torch_dist, DeepSpeed "
+    "ZeRO, verl, accelerate), recognised by its files"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mpicons",
-        description="Consolidate sharded (DCP) safetensors checkpoints into Hugging Face checkpoints, MPI-parallel.",
+        description="Consolidate sharded training checkpoints (torch DCP, torchtitan, Megatron-Core, DeepSpeed ZeRO, "
+        "verl, accelerate) into Hugging Face model directories, MPI-parallel.",
     )
     parser.add_argument("--version", action="version", version=f"mpicons {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -320,8 +325,9 @@ def _add_selection_options(cmd: argparse.ArgumentParser) -> None:
     cmd.add_argument(
         "--hf-assets",
         metavar="DIR",
-        help="the model's Hugging Face files (config.json, tokenizer, ...), a directory or an s3:// prefix: "
-        "published with the weights; its model.safetensors.index.json, if any, decides the output files",
+        help="the model's Hugging Face files (config.json, tokenizer, ...), a directory or an s3:// prefix: its config "
+        "is checked against the weights (consolidate also publishes a model's files from it with the weights: "
+        "docs/assets.md); its model.safetensors.index.json, if any, decides the output files",
     )
     cmd.add_argument(
         "--s3-endpoint",

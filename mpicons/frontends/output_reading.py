@@ -30,6 +30,8 @@ from ..io.lock import LOCK_NAME, read_lock
 from ..io.regular_files import read_at, read_bounded
 from ..io.s3 import is_s3
 from ..io.sources import SourceFiles
+from ..job.adaptation import checkpoint_at
+from ..trainers import TRAINERS
 
 #: An index larger than this is refused unread (one for a million tensors is far smaller).
 MAX_INDEX_SIZE = 100_000_000
@@ -240,6 +242,9 @@ def list_output(output_dir: str, follow_links: bool) -> Listing:
     leftovers = [n for n in names if n.startswith(STAGING_PREFIX)]
     index_path = os.path.join(output_dir, INDEX_NAME)
     sharded = _sharded_what(names, found) if not os.path.lexists(index_path) else None
+    trainers = checkpoint_at(output_dir) if sharded is None and not found and not os.path.lexists(index_path) else None
+    if trainers is not None:
+        sharded = f"a {TRAINERS[trainers.trainer].title} checkpoint ({trainers.layout})"
     if sharded is not None:
         what = (
             f"{sharded}, not a consolidated checkpoint; to check a consolidation of it: "

@@ -124,7 +124,7 @@ class OutputDir:
         if entries and not force:
             raise InputError(
                 f"{self.path}: already holds {describe_names(entries)} (use --force to replace "
-                f"{'them' if len(entries) > 1 else 'it'})"
+                f"{'them' if len(entries) > 1 else 'it'}; force=True from Python)"
             )
         return entries
 

@@ -11,6 +11,7 @@ again over the communicator for the converted pieces.
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -116,12 +117,24 @@ def _main_params(scanned: Scanned, prefix: str, within: str) -> Scanned:
 def _read_rule_file(path: str) -> str:
     """A user's rule file: a regular file (links followed: it is the user's own), bounded, UTF-8."""
     if not os.path.lexists(path):
-        raise InputError(f"--adapter {path!r}: no such file (built-in adapters: {', '.join(adapter_names())})")
+        raise InputError(f"--adapter {path!r}: {_not_an_adapter(path)}")
     raw = read_small(path, "a rule file", named=f"--adapter {path!r}")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"--adapter {path!r}: not a text file (UTF-8)") from None
+
+
+def _not_an_adapter(name: str) -> str:
+    """Why ``--adapter NAME`` names nothing: a trainer recognised without it, a misspelt built-in, or no file."""
+    if name in TRAINERS:
+        return (
+            f"{TRAINERS[name].title} checkpoints are recognised by their files and read without --adapter "
+            "(their names are Hugging Face's already): leave --adapter out"
+        )
+    close = difflib.get_close_matches(name, [*adapter_names(), NO_ADAPTER], n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"no such file ({hint}built-in adapters: {', '.join(adapter_names())}; 'none' keeps the saved names)"
 
 
 def _include(name: str, including: str) -> tuple[str, str]:
@@ -167,7 +180,40 @@ def _recognised(input_dir: str | None, endpoint: str | None) -> Found | None:
         from ..io.s3_sources import S3Place
 
         return recognise(S3Place.at(input_dir, endpoint))
-    return recognise(LocalPlace(input_dir))
+    found = recognise(LocalPlace(input_dir))
+    if found is None:
+        _refuse_a_folder_of_checkpoints(input_dir)
+    return found
+
+
+#: Files that make a directory a checkpoint mpicons reads as it is (DCP, safetensors): no hint is needed.
+_CHECKPOINT_FILES = (".metadata", ".safetensors", ".distcp")
+
+
+def _refuse_a_folder_of_checkpoints(input_dir: str) -> None:
+    """Bad input naming the subdirectories to give instead, when ``input_dir`` holds no checkpoint files
+    but trainers' checkpoints one level down (a run's parent folder, a DeepSpeed run without ``latest``)."""
+    try:
+        names = sorted(os.listdir(input_dir))
+    except OSError:
+        return  # the scan says what is wrong with it
+    if any(name.endswith(_CHECKPOINT_FILES) for name in names):
+        return
+    found = [(name, hit) for name in names if (hit := checkpoint_at(os.path.join(input_dir, name))) is not None]
+    if not found:
+        return
+    titles = sorted({TRAINERS[hit.trainer].title for _, hit in found})
+    if len(found) == 1:
+        name = found[0][0]
+        raise InputError(
+            f"{input_dir}: holds no checkpoint itself; its subdirectory {name!r} holds a {titles[0]} checkpoint: "
+            f"pass {os.path.join(input_dir, name)}"
+        )
+    listed = ", ".join(name for name, _ in found[:6]) + ("" if len(found) <= 6 else f" and {len(found) - 6} more")
+    raise InputError(
+        f"{input_dir}: holds no checkpoint itself; its subdirectories {listed} hold {' and '.join(titles)} checkpoints "
+        "(no file names the newest, such as DeepSpeed's latest): pass the one to consolidate"
+    )
 
 
 def refuse_checkpoint_output(output_dir: str, input_dir: str) -> None:
@@ -181,7 +227,7 @@ def refuse_checkpoint_output(output_dir: str, input_dir: str) -> None:
         raise InputError(f"{output_dir}: output directory is the input directory; give another directory for the model")
     path = out
     while True:
-        found = _checkpoint_at(path)
+        found = checkpoint_at(path)
         if found is not None:
             title = TRAINERS[found.trainer].title
             where = f"is a {title} checkpoint" if path == out else f"is inside a {title} checkpoint ({path})"
@@ -196,7 +242,7 @@ def refuse_checkpoint_output(output_dir: str, input_dir: str) -> None:
         path = parent
 
 
-def _checkpoint_at(path: str) -> Found | None:
+def checkpoint_at(path: str) -> Found | None:
     """The checkpoint a trainer recognises at ``path``; one a trainer claims but cannot read counts too."""
     if not os.path.isdir(path):
         return None
@@ -242,6 +288,12 @@ def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, own
         found = _recognised(input_dir, options.s3_endpoint)
         off = options.adapter == NO_ADAPTER
         named = None if options.adapter is None or off else trainer(options.adapter)
+        if named is not None and found is not None and found.trainer != named.name and TRAINERS[found.trainer].has_rules():
+            own = TRAINERS[found.trainer]
+            raise InputError(
+                f"--adapter {named.name}: {found.directory} is a {own.title} checkpoint, whose names --adapter {own.name} "
+                f"maps: leave --adapter out ({own.name} is chosen by itself) or give --adapter {own.name}"
+            )
         auto = found is not None and options.adapter is None and TRAINERS[found.trainer].chosen_unasked
         chosen = named or (TRAINERS[found.trainer] if auto and found is not None else None)
         notes = [] if found is None else list(found.notes)

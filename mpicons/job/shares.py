@@ -27,6 +27,9 @@ from .scan import Scanned, exchange, unreadable_summary
 
 # ---------------------------------------------------------------- choosing tensors
 
+#: What an optimizer's state is saved under (DCP, accelerate, torchtitan, Megatron): never a model by itself.
+OPTIMIZER_PREFIX = "optimizer."
+
 
 def select(
     scanned: Scanned, include: Sequence[str] = (), exclude: Sequence[str] = (), strip_prefix: str | None = None
@@ -34,9 +37,15 @@ def select(
     """Keep the tensors whose names match an ``include`` glob (all, when none is given) and no
     ``exclude`` glob; then remove ``strip_prefix`` from the names that start with it. Pure: every
     rank computes the same from the same names."""
+    names = scanned.names
+    if not include and names and all(name.startswith(OPTIMIZER_PREFIX) for name in names):
+        raise InputError(
+            f"{scanned.directory}: holds optimizer state only ({count_of(len(names), 'tensor')} named "
+            f"{OPTIMIZER_PREFIX}*), no model weights: give the folder of the model's weights (accelerate saves it "
+            f"beside this one, as pytorch_model_fsdp_N), or --include '{OPTIMIZER_PREFIX}*' to write these on purpose"
+        )
     if not include and not exclude and not strip_prefix:
         return _readable(scanned)
-    names = scanned.names
     keep = [
         t
         for t, name in enumerate(names)

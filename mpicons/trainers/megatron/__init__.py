@@ -106,7 +106,19 @@ class Megatron(Trainer):
         return Found(self.name, directory.path, RUN_LAYOUT, (note,), place=directory)
 
     def settle_config(self, found: Found | None, assets: HFAssets | None, model_type: str | None) -> Settled:
-        """The assets' config checked against ``common.pt``'s args, or, without one, derived from them."""
+        """The assets' config checked against ``common.pt``'s args, or, without one, derived from them; a
+        note when the embeddings are tied (Megatron then saves no output layer, and none is written)."""
+        settled = self._settled(found, assets, model_type)
+        config = settled.config or {}
+        if config.get("tie_word_embeddings"):
+            tied = (
+                "tied embeddings (tie_word_embeddings): Megatron saves no output layer, none is written, and "
+                "transformers uses the embedding as lm_head"
+            )
+            return Settled(settled.assets, (*settled.notes, tied))
+        return settled
+
+    def _settled(self, found: Found | None, assets: HFAssets | None, model_type: str | None) -> Settled:
         config = None if assets is None else assets.config
         if config is not None and model_type is not None and config.get("model_type") != model_type:
             raise InputError(f"--model-type {model_type!r}: config.json from --hf-assets says {config.get('model_type')!r}")
