@@ -220,10 +220,10 @@ def _starting_mpi(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])
 def test_a_signal_ends_a_rank_waiting_for_mpi_to_start(tmp_path, signum):
     """Rank 1 never starts MPI (a node that never came up), so rank 0 waits inside MPI_Init, where no
-    Python handler runs: the signal must still end it at once (nothing has been written)."""
+    Python handler runs: the job's end must still end it at once (nothing has been written)."""
     out = tmp_path / "out"
     command = f"{shlex.quote(sys.executable)} -m mpicons consolidate {shlex.quote(str(INPUT))} {shlex.quote(str(out))}"
     # The launcher ends the job when a rank dies by a signal: the wrapper reports rank 0's status, then does.
@@ -253,6 +253,53 @@ def test_a_signal_ends_a_rank_waiting_for_mpi_to_start(tmp_path, signum):
     assert f"rank 0 exit status {128 + signum}" in stderr, stderr  # ended by the signal itself
     assert "Traceback" not in stderr, stderr
     assert not out.exists()
+
+
+def _processes_with(argument: str) -> list[int]:
+    """The pids of the python processes whose command line holds ``argument``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if os.fsencode(argument) in argv and any(b"python" in arg for arg in argv[:1]):
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_ctrl_c_while_mpi_starts_ends_every_rank_cleanly(tmp_path, ranks):
+    """Ctrl-C (SIGINT to the launcher's whole process group) once the ranks are starting MPI: each finishes
+    starting, then stops as at any later moment: "interrupted", exit 1, nothing written, no crash."""
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        [MPIEXEC, "-n", str(ranks), sys.executable, "-m", "mpicons", "consolidate", str(INPUT), str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=subprocess_env(),
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            pids = _processes_with(str(out))
+            if len(pids) == ranks and all(_starting_mpi(pid) for pid in pids):
+                break
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    if proc.returncode == 0:
+        pytest.skip("the job was done before the signal came (a fast machine): nothing to interrupt")
+    assert proc.returncode == 1, stdout + stderr
+    assert "interrupted by SIGINT" in stderr and "Segmentation" not in stdout + stderr, stdout + stderr
+    assert "Traceback" not in stderr and not out.exists()
 
 
 def test_a_signal_caught_before_mpi_starts_ends_the_process_there():

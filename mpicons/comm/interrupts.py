@@ -16,6 +16,11 @@ from ..core.errors import Interrupted
 
 #: What Slurm and a terminal send: a time limit (TERM, or USR1 with ``--signal``), Ctrl-C.
 HANDLED = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+#: The job's end (Slurm's time limit, ``scancel``): it acts at once even while MPI starts. Ctrl-C reaches
+#: every rank of the launcher's process group together, so all of them finish starting MPI and then stop
+#: cleanly; ending them inside MPI_Init instead crashes the ranks still starting (MPICH reports a
+#: segmentation fault). A second Ctrl-C makes the launcher kill the job, as it says.
+JOB_END = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class _State:
@@ -76,15 +81,15 @@ def deferred() -> Iterator[None]:
 
 
 @contextmanager
-def ending_at_once() -> Iterator[None]:
-    """Inside, a termination signal ends the process at once with the signal's default action.
+def ending_at_once(signals: tuple[int, ...] = JOB_END) -> Iterator[None]:
+    """Inside, the job's end (``signals``) ends the process at once with the signal's default action.
 
     For MPI's start-up: a rank blocked in MPI_Init (waiting for a peer that never comes) runs no
     Python handler, so a recorded signal would never act; nothing has been written yet, so ending
     is right. A signal recorded just before ends the process the same way. Only mpicons' own
     handlers are swapped (a library caller's are left alone) and they are back afterwards.
     """
-    ours = [signum for signum in HANDLED if signal.getsignal(signum) is _on_signal]
+    ours = [signum for signum in signals if signal.getsignal(signum) is _on_signal]
     for signum in ours:
         signal.signal(signum, signal.SIG_DFL)  # runs the handler of a signal caught just before, first
     if _State.pending in ours:

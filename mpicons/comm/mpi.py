@@ -1,8 +1,9 @@
 """The communicator interface over an mpi4py intracommunicator (importing this module starts MPI).
 
 MPI starts at the import of ``mpi4py.MPI`` (``mpi4py.rc.initialize``; if a caller turned that off,
-here) with room left for it under an address-space limit, and with termination signals ending the
-process at once: a rank waiting in MPI_Init for a peer must not ignore the job's end.
+here) with room left for it under an address-space limit, and with the job's end (SIGTERM, SIGUSR1)
+ending the process at once: a rank waiting in MPI_Init for a peer must not ignore it. Ctrl-C is
+recorded as at any other moment and stops every rank cleanly once MPI has started.
 """
 
 from __future__ import annotations
