@@ -109,6 +109,9 @@ def measure(ctx: Context, args: argparse.Namespace, procs: int) -> dict[str, Any
             "same bytes, with and without sync": same_tree(ours, outputs["mpicons on every rank, sync=False"]),
             "torch's tensors": same_tensors(ours, outputs["torch on every rank"]),
         }
+        failed = {k: v for k, v in checks.items() if v is not None}
+        if failed:  # a benchmark of outputs that differ measures nothing
+            raise SystemExit(f"torch_dropin: {procs} procs, {files} files: outputs differ: {failed}")
         numbers["files"][files] = {"runs": runs, "checks": {k: v is None for k, v in checks.items()}}
         quiesce(*outputs.values())
     return numbers

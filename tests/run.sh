@@ -6,7 +6,8 @@
 # does). torch (version MPICONS_TORCH, default 2.13.0) is installed into .venv for the torchrun
 # tests unless one is there, and with it transformers 5.24.0 (for the tests that load adapter
 # output as a model) unless that imports; MPICONS_TORCH=none installs neither and skips the torchrun
-# tests (tests needing transformers skip themselves when it is missing).
+# tests (tests needing transformers skip themselves when it is missing). With slow tests and torch,
+# DeepSpeed 0.19.8 as well (its own converter read against mpicons' ZeRO sample).
 #   bash tests/run.sh              # the default run: about nine minutes on two cores once installed
 #                                  # (serial 4.2, the four MPI passes 4.4, torchrun 0.25)
 #   bash tests/run.sh --run-slow   # everything: much longer (the slow tests are the large and
@@ -28,6 +29,11 @@ fi
 slow=0
 [ "${MPICONS_SLOW:-}" = 1 ] && slow=1
 for arg in "$@"; do [ "$arg" = --run-slow ] && slow=1; done
+# With slow tests and torch: DeepSpeed too (pure Python, its ops built only when used: about 15 s), for
+# the test that runs DeepSpeed's own zero_to_fp32.py on mpicons' ZeRO-3 sample.
+if [ "$slow" = 1 ] && [ "$TORCH" != none ] && ! .venv/bin/python -c 'import deepspeed' 2>/dev/null; then
+  .venv/bin/python -m pip install -q "deepspeed==0.19.8"
+fi
 # mpicons' byte code, written once: the tests start hundreds of mpicons processes, each of which
 # would otherwise compile the package again (about 0.25 s each); nothing else writes any.
 .venv/bin/python -m compileall -q mpicons

@@ -64,6 +64,7 @@ def test_the_short_checkpoint_is_accepted_as_it_is(short_edge: Path, tmp_path: P
 
 @pytest.mark.parametrize("ranks", slow_beyond([2, 1, 3], 1))
 def test_hf_assets_refuse_tensors_shorter_than_the_model(short_edge: Path, tmp_path: Path, ranks: int) -> None:
+    pytest.importorskip("transformers", reason="the shapes of the model transformers builds are what this names")
     out = tmp_path / "out"
     line = error_line(cli(ranks, "consolidate", short_edge, out, "--hf-assets", ASSETS, timeout=TIMEOUT)[0])
     assert "tensor 'lm_head.weight': shape [1003, 44] in the shards, [1003, 64] in the model" in line

@@ -26,7 +26,6 @@ from trainer_saves import write_verl, write_zero
 import mpicons
 
 FIXTURES = Path(__file__).parent / "fixtures"
-SHARED = Path(__file__).parent.parent.parent / "shared" / "fixtures"
 #: case → (its folder, the checkpoint's run directory, the step directory in it)
 CASES = {
     "zero2": (FIXTURES / "deepspeed/llama-zero2", "checkpoint", "checkpoint/global_step2"),
@@ -77,9 +76,8 @@ def test_dtype_bf16_rounds_the_masters(case: str, tmp_path: Path) -> None:
     mpicons.consolidate(folder / run, tmp_path / "out", dtype="bf16", hf_assets=str(folder / "hf"))
     _assert_written(tmp_path / "out", _expected(case, "bf16"))
     assert json.loads((tmp_path / "out" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    shared = SHARED / "deepspeed" / folder.name / "expected-bf16" / "model.safetensors"
-    if shared.exists():  # the module's own 16-bit weights: the masters rounded
-        assert (tmp_path / "out" / "model.safetensors").read_bytes() == shared.read_bytes()
+    own = folder / "expected-bf16" / "model.safetensors"  # the module's own 16-bit weights: the masters rounded
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == own.read_bytes()
 
 
 @pytest.mark.parametrize("ranks, case", [(2, "zero2"), (3, "zero3"), (3, "verl"), (2, "verl")])
