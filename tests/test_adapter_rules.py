@@ -727,6 +727,11 @@ def test_the_builtin_adapter_needs_a_config() -> None:
 
 def test_unknown_adapter_is_a_missing_rule_file(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="no such file .*built-in adapters: torchtitan, megatron"):
+        mpicons.consolidate(tmp_path, tmp_path / "out", adapter="my-rules", comm=SingleProcess())
+    with pytest.raises(InputError, match=r"no such file \(did you mean 'megatron'\? built-in adapters"):
+        mpicons.consolidate(tmp_path, tmp_path / "out", adapter="megatorn", comm=SingleProcess())
+    # A trainer whose checkpoints hold Hugging Face's names is recognised, never named.
+    with pytest.raises(InputError, match="DeepSpeed ZeRO checkpoints are recognised by their files .* leave --adapter out"):
         mpicons.consolidate(tmp_path, tmp_path / "out", adapter="deepspeed", comm=SingleProcess())
 
 

@@ -329,6 +329,8 @@ def inspect(
     )
     report.notes = [*adapter.notes, *scanned.notes, *report.notes]
     if scanned.conversion is not None:
+        skipped = [line for line in scanned.conversion.summary() if line.startswith("skipped ")]
+        report.notes += [f"adapter: {line}" for line in skipped]  # as consolidate reports them
         report.adapter = scanned.conversion.rules
         report.mapping_rows = mapping_infos(saved_names, scanned.conversion)
     elif options.adapter is None:
