@@ -302,3 +302,56 @@ def test_optimizer_state_alone_is_not_passed_off_as_a_model(tmp_path: Path) -> N
     assert not (tmp_path / "out").exists()
     asked = mpicons.consolidate(folder, tmp_path / "asked", include=("optimizer.*",), comm=SingleProcess(), sync=False)
     assert sorted(t.name for t in asked.layout.tensors) == sorted(state)
+
+
+# ---------------------------------------------------------------- rank files that cannot be impersonated
+
+IMPERSONATIONS = [
+    ("zero2", "mp_rank_00_model_states.pt", "mp_rank_000_model_states.pt"),
+    ("zero3", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_0_mp_rank_0_optim_states.pt"),
+    ("zero3", "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_\u0660_mp_rank_00_optim_states.pt"),
+    ("zero3", "zero_pp_rank_1_mp_rank_00_model_states.pt", "zero_pp_rank_01_mp_rank_00_model_states.pt"),
+    ("verl", "model_world_size_2_rank_0.pt", "model_world_size_2_rank_00.pt"),
+]
+STEPS = {
+    "zero2": FIXTURES / "deepspeed" / "llama-zero2" / "checkpoint" / "global_step2",
+    "zero3": FIXTURES / "deepspeed" / "llama-zero3" / "checkpoint" / "global_step2",
+    "verl": FIXTURES / "verl" / "llama-fsdp2" / "checkpoint" / "global_step_1" / "actor",
+}
+
+
+@pytest.mark.parametrize(("case", "real", "other"), IMPERSONATIONS)
+@pytest.mark.parametrize("how", ["beside", "instead"])
+def test_a_rank_file_under_another_spelling_is_refused(case: str, real: str, other: str, how: str, tmp_path: Path) -> None:
+    """Another spelling of a rank (padding, digits of another script) beside the real file, or in its place:
+    exit 2 naming the file and the one it claims to be; nothing written."""
+    step = tmp_path / "step"
+    shutil.copytree(STEPS[case], step)
+    shutil.copy(step / real, step / other)
+    if how == "instead":
+        (step / real).unlink()
+    proc = cli(1, "consolidate", step, tmp_path / "out", timeout=TIMEOUT)[0]
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    words = " ".join(proc.stderr.split())
+    assert f"{step / other}: not a name the trainer writes; it claims what {real} holds" in words, proc.stderr
+    assert ("beside" in words) == (how == "beside") and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["zero2", "zero3", "verl"])
+def test_two_rank_files_swapped_are_refused(case: str, tmp_path: Path) -> None:
+    """Each archive names the file it was saved as (its folder inside the zip): swapped files are exit 2."""
+    step = tmp_path / "step"
+    shutil.copytree(STEPS[case], step)
+    first, second = (
+        ("model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt")
+        if case == "verl"
+        else ("bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    )
+    (step / first).rename(step / "swap")
+    (step / second).rename(step / first)
+    (step / "swap").rename(step / second)
+    proc = cli(2, "consolidate", step, tmp_path / "out", timeout=TIMEOUT)[0]
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    words = " ".join(proc.stderr.split())
+    assert "this archive was saved as" in words and "files renamed or swapped?" in words, proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -164,11 +165,20 @@ def test_a_missing_rank_file_is_named(tmp_path: Path, case: str, left_out: str) 
     assert error.value.exit_code == 2
 
 
+def _saved_as(source: Path, target: Path) -> None:
+    """``source``'s archive as torch.save would have written it to ``target`` (its folder named for it)."""
+    with zipfile.ZipFile(source) as old, zipfile.ZipFile(target, "w", zipfile.ZIP_STORED) as new:
+        for info in old.infolist():
+            new.writestr(target.stem + "/" + info.filename.split("/", 1)[1], old.read(info))
+
+
 def test_a_rank_file_beyond_the_recorded_world_is_refused(tmp_path: Path) -> None:
     directory = _copy_without(zero_directory("llama-zero2"), tmp_path)
-    shutil.copy(
-        directory / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", directory / "bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"
-    )
+    rank_1, rank_2 = (directory / f"bf16_zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in (1, 2))
+    shutil.copy(rank_1, rank_2)  # a copy: its archive still says it is rank 1's
+    with pytest.raises(InputError, match="rank_2_mp_rank_00_optim_states.pt: this archive was saved as bf16_zero_pp_rank_1_"):
+        read_zero(directory)
+    _saved_as(rank_1, rank_2)
     with pytest.raises(InputError, match="rank_2_mp_rank_00_optim_states.pt: rank 2's optimizer states, but .* records 2"):
         read_zero(directory)
 

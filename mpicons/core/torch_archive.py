@@ -388,6 +388,21 @@ def read_archive(source: ByteSource, allow: AllowList, kind: str, fast: bool = T
     return TorchArchive(path, root, value, members, boundary, records)
 
 
+#: The folder ``torch.save`` gives an archive saved to a stream instead of a path.
+STREAM_ROOT = "archive"
+
+
+def check_root(archive: TorchArchive, file: str) -> None:
+    """An archive saved to a path keeps its file's stem as its folder: one whose folder names another
+    file is that file, renamed (two ranks' files swapped, a copy standing in for a missing one)."""
+    stem = file.rsplit("/", 1)[-1].removesuffix(".pt")
+    if archive.root not in (stem, STREAM_ROOT):
+        raise InputError(
+            f"{archive.name}: this archive was saved as {archive.root}.pt (its folder inside the zip says so), "
+            f"not as {file}: files renamed or swapped? Put each rank's file back under its own name"
+        )
+
+
 def archive_value(source: ByteSource | str, allow: AllowList = NOTHING, what: str = "a torch.save archive") -> object:
     """The value pickled in the archive at ``source`` (a path or an open source), its storages never
     read: what a trainer keeps beside its shards (Megatron's ``common.pt``)."""
@@ -425,6 +440,8 @@ def _zipfile_members(source: ByteSource) -> tuple[dict[str, tuple[int, int, int]
 
 
 __all__ = [
+    "STREAM_ROOT",
+    "check_root",
     "MAX_PICKLE",
     "REBUILD_FROM_TYPE",
     "REBUILD_PARAMETER",

@@ -9,7 +9,8 @@ pickles, the config from ``--hf-assets``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -156,10 +157,33 @@ class Trainer:
         )
 
 
+#: A rank as trainers write it in a file name: ASCII digits, no leading zero (``re``'s ``\d`` would take
+#: any script's digits, and ``int`` reads them: ``rank_٠`` would be rank 0).
+RANK_NUMBER = r"(0|[1-9][0-9]*)"
+
+
+def refuse_other_spellings(
+    names: Sequence[str], loose: re.Pattern[str], canonical: Callable[[re.Match[str]], str], directory: str
+) -> None:
+    """Bad input for a file that claims a rank under another spelling than the trainer's own (``loose``
+    matches it, ``canonical`` gives the name the trainer writes for what it claims): such a file would
+    stand in for the real one, or beside it, with another parameter order or another rank's data."""
+    present = set(names)
+    for name in sorted(names):
+        found = loose.match(name)
+        if found is None or (own := canonical(found)) == name:
+            continue
+        beside = f", beside {own}" if own in present else ""
+        raise InputError(
+            f"{directory}/{name}: not a name the trainer writes; it claims what {own} holds{beside}. Ranks are "
+            "plain ASCII numbers in the trainer's own zero-padding: remove or rename the file"
+        )
+
+
 @functools.cache
 def parsed_rules(lines: tuple[RuleLine, ...], origin: str) -> RuleSet:
     """A built-in rule file parsed once per process (its patterns compiled: about 15 ms)."""
     return parse_lines(lines, origin)
 
 
-__all__ = ["ArchiveFormat", "Found", "Settled", "Trainer", "parsed_rules"]
+__all__ = ["RANK_NUMBER", "ArchiveFormat", "Found", "Settled", "Trainer", "parsed_rules", "refuse_other_spellings"]

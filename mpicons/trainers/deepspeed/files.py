@@ -8,15 +8,30 @@ or ``zero_pp_rank_R_mp_rank_00_model_states.pt`` per rank (stage 3).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...core.errors import InputError
+from ..base import RANK_NUMBER, refuse_other_spellings
 
-_OPTIM = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-_MODEL3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+#: DeepSpeed's own spellings: the data-parallel rank as it is, the model-parallel one zero-padded to two
+#: digits (``zero_pp_rank_{}_mp_rank_{:02d}``).
+_MP = r"(0[0-9]|[1-9][0-9]+)"
+_OPTIM = re.compile(rf"^(bf16_)?zero_pp_rank_{RANK_NUMBER}_mp_rank_{_MP}_optim_states\.pt$")
+_MODEL3 = re.compile(rf"^zero_pp_rank_{RANK_NUMBER}_mp_rank_{_MP}_model_states\.pt$")
+_MODEL = re.compile(rf"^mp_rank_{_MP}_model_states\.pt$")
+#: Any spelling of the same names (digits of any script, any padding): a file matching one of these but
+#: not DeepSpeed's own claims a rank another file has, or should have.
+_LOOSE = (
+    (
+        re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$"),
+        "{0}zero_pp_rank_{1}_mp_rank_{2:02d}_optim_states.pt",
+    ),
+    (re.compile(r"^()zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$"), "zero_pp_rank_{1}_mp_rank_{2:02d}_model_states.pt"),
+    (re.compile(r"^()()mp_rank_(\d+)_model_states\.pt$"), "mp_rank_{2:02d}_model_states.pt"),
+)
 _PIPELINE = re.compile(r"^layer_\d+-model_\d+-model_states\.pt$|^layer_\d+-model_states\.pt$")
 #: The file a run directory names its newest checkpoint in.
 LATEST = "latest"
@@ -45,6 +60,8 @@ def detect(names: Sequence[str], directory: str) -> ZeroFiles | None:
     """The ZeRO checkpoint whose files are among ``names`` (the entries of ``directory``), or None when
     there is none. A directory that is one but cannot be read as one (tensor or pipeline parallel,
     model states without optimizer states) is bad input, said here."""
+    for loose, spelling in _LOOSE:
+        refuse_other_spellings(names, loose, functools.partial(_canonical, spelling), directory)
     optim = {n: m for n in names if (m := _OPTIM.match(n))}
     model3 = {n: m for n in names if (m := _MODEL3.match(n))}
     model = {n: m for n in names if (m := _MODEL.match(n))}
@@ -71,6 +88,12 @@ def detect(names: Sequence[str], directory: str) -> ZeroFiles | None:
     if not model:
         raise InputError(f"{directory}: DeepSpeed optimizer states without model states (mp_rank_00_model_states.pt)")
     return ZeroFiles(optim_states, {0: next(iter(model))}, False)
+
+
+def _canonical(spelling: str, found: re.Match[str]) -> str:
+    """The name DeepSpeed writes for what a loosely matched name claims (its numbers read as numbers)."""
+    prefix, rank, mp = found.group(1) or "", found.group(2), found.group(3)
+    return spelling.format(prefix, int(rank) if rank else 0, int(mp))
 
 
 def latest_tag(text: str, path: str) -> str:

@@ -21,6 +21,7 @@ from ...core.torch_archive import (
     REBUILD_PARAMETER,
     ArchiveTensor,
     TorchArchive,
+    check_root,
     is_row_major,
     read_archive,
 )
@@ -150,6 +151,7 @@ def _stored(archive: TorchArchive, file: str, items: list[tuple[str, object]]) -
 def read_model_states(source: ByteSource, file: str, rank: int = 0) -> ZeroModel:
     """The model-states file read through ``source`` (``file``: its name in the checkpoint directory)."""
     archive = read_archive(source, ALLOWED, KIND)
+    check_root(archive, file)
     path = archive.name
     top = _mapping(archive.value, path, "its content")
     param_shapes = [
@@ -198,6 +200,7 @@ def _stage(record: object, path: str) -> int:
 def read_optim_states(source: ByteSource, file: str, rank: int) -> ZeroPartition:
     """Rank ``rank``'s optimizer-states file read through ``source`` (``file``: its name in the directory)."""
     archive = read_archive(source, ALLOWED, KIND)
+    check_root(archive, file)
     path = archive.name
     state = _mapping(_mapping(archive.value, path, "its content").get("optimizer_state_dict"), path, "'optimizer_state_dict'")
     stage = _stage(state.get("zero_stage"), path)

@@ -15,9 +15,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...core.errors import InputError
+from ..base import RANK_NUMBER, refuse_other_spellings
 
-_MODEL = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
-_OTHER = re.compile(r"^(optim|extra_state)_world_size_(\d+)_rank_(\d+)\.pt$")
+_MODEL = re.compile(rf"^model_world_size_{RANK_NUMBER}_rank_{RANK_NUMBER}\.pt$")
+_OTHER = re.compile(rf"^(optim|extra_state)_world_size_{RANK_NUMBER}_rank_{RANK_NUMBER}\.pt$")
+#: Any spelling of a model file's name: one that is not verl's own claims a rank another file has.
+_LOOSE_MODEL = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 CONFIG = "fsdp_config.json"
 #: The file a verl run directory names its newest step in, and the folders below it.
 LATEST = "latest_checkpointed_iteration.txt"
@@ -42,6 +45,8 @@ class VerlFiles:
 def detect(names: Sequence[str], directory: str) -> VerlFiles | None:
     """The actor checkpoint among ``names`` (the entries of ``directory``), or None when there is none.
     Model files of two world sizes are bad input."""
+    canonical = lambda m: f"model_world_size_{int(m.group(1))}_rank_{int(m.group(2))}.pt"  # noqa: E731
+    refuse_other_spellings(names, _LOOSE_MODEL, canonical, directory)
     models = {n: m for n in names if (m := _MODEL.match(n))}
     if not models:
         return None

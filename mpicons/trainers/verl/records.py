@@ -18,6 +18,7 @@ from ...core.torch_archive import (
     REBUILD_WRAPPER,
     ArchiveTensor,
     SubclassTensor,
+    check_root,
     is_row_major,
     read_archive,
 )
@@ -97,6 +98,7 @@ def _local(path: str, name: str, value: SubclassTensor) -> ArchiveTensor:
 def read_rank(source: ByteSource, file: str, rank: int) -> VerlRank:
     """Rank ``rank``'s model file read through ``source`` (``file``: its name in the actor directory)."""
     archive = read_archive(source, ALLOWED, KIND)
+    check_root(archive, file)
     path = archive.name
     if not isinstance(archive.value, dict):
         raise InputError(f"{path}: not a verl model file: it holds a {type(archive.value).__name__}, not a state dict")
