@@ -53,8 +53,10 @@ def tracked_iteration(run: Place) -> tuple[str, str]:
     text = run.read_small(TRACKER, "Megatron's tracker file").decode("utf-8", "replace").strip()
     if text == "release":
         return "release", "the release checkpoint"
-    if not text.isdigit():
-        raise InputError(f"{path}: holds {shown(text)}, neither an iteration number nor 'release' (damaged tracker file?)")
+    if not text.isascii() or not text.isdigit() or len(text) > 18:
+        raise InputError(
+            f"{path}: holds {shown(text[:80])}, neither an iteration number nor 'release' (damaged tracker file?)"
+        )
     return f"iter_{int(text):07d}", f"iteration {int(text)}"
 
 

@@ -53,7 +53,7 @@ class VerlArchives(ArchiveFormat):
 def _step_of(run: Place) -> tuple[Place, str] | None:
     """The step directory and its number a run's ``latest_checkpointed_iteration.txt`` names (None: not verl's)."""
     text = run.read_small(LATEST, "verl's latest_checkpointed_iteration.txt").decode("utf-8", "replace").strip()
-    if not text.isdigit() or len(text) > 18:
+    if not text.isascii() or not text.isdigit() or len(text) > 18:
         return None
     name = f"global_step_{int(text)}"
     return (run.child(name), text) if run.is_dir(name) and run.child(name).is_dir(ACTOR) else None

@@ -68,8 +68,8 @@ def check_config(files: VerlFiles, text: str, directory: str) -> None:
     path = f"{directory}/{CONFIG}"
     try:
         config = json.loads(text)
-    except ValueError:
-        raise InputError(f"{path}: not valid JSON") from None
+    except (ValueError, RecursionError):
+        raise InputError(f"{path}: not valid JSON (or nested deeper than any config is)") from None
     world = config.get("world_size") if isinstance(config, dict) else None
     if type(world) is not int or world != files.world_size:
         raise InputError(
@@ -94,7 +94,7 @@ def check_ranks(files: VerlFiles, directory: str) -> None:
 def step_directory(text: str, path: str) -> str:
     """The step folder ``latest_checkpointed_iteration.txt`` names (``global_step_<N>``)."""
     step = text.strip()
-    if not step.isdigit() or len(step) > 18:
+    if not step.isascii() or not step.isdigit() or len(step) > 18:
         raise InputError(f"{path}: does not hold a step number ({step[:80]!r})")
     return f"global_step_{int(step)}"
 
