@@ -255,3 +255,16 @@ def test_a_hostile_archive_changes_nothing_for_the_next_one(tmp_path: Path) -> N
 def test_the_bound_on_one_read_is_far_above_what_trainers_write() -> None:
     sizes = [zipfile.ZipFile(p).infolist()[0].file_size for p in DEEPSPEED + VERL]
     assert max(sizes) * 1000 < MAX_PICKLE
+
+
+def test_an_empty_tensor_far_past_its_storage_is_named(tmp_path: Path) -> None:
+    """Empty, so no element lies outside: its start still must (2**62 elements in would overflow offsets)."""
+    with zipfile.ZipFile(ZERO2_OPTIM) as archive:
+        pickled = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
+    # exp_avg (storage '1') at storage offset 0 with 125664 elements: offset 2**62 (LONG1), no elements.
+    far = b"\x8a\x08" + (2**62).to_bytes(8, "little")
+    moved = pickled.replace(b"tq\x1eQK\x00J\xe0\xea\x01\x00", b"tq\x1eQ" + far + b"J\x00\x00\x00\x00", 1)
+    assert moved != pickled
+    broken = _rewrite(ZERO2_OPTIM, tmp_path / "far.pt", {"/data.pkl": moved})
+    with pytest.raises(InputError, match=r"starts at element 4611686018427387904, outside its 502656-byte storage '1'"):
+        _read(broken)

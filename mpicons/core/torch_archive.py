@@ -310,6 +310,11 @@ def _check_extent(path: str, label: str, tensor: ArchiveTensor, member_size: int
         raise InputError(f"{path}: {label}: stride {list(tensor.stride)} does not match shape {list(tensor.size)}")
     if DTYPE_BY_NAME[tensor.dtype].bits % 8:
         raise InputError(f"{path}: {label}: unsupported: a {tensor.dtype} tensor inside a torch.save archive")
+    if tensor.storage_offset < 0 or tensor.storage_offset * unit > member_size:  # an empty tensor's too
+        raise InputError(
+            f"{path}: {label}: it starts at element {tensor.storage_offset}, outside its {member_size}-byte "
+            f"storage {storage.key!r} (damaged or made up?)"
+        )
     if 0 in tensor.size:
         return
     last = tensor.storage_offset + sum((d - 1) * s for d, s in zip(tensor.size, tensor.stride))

@@ -54,9 +54,7 @@ def tracked_iteration(run: Place) -> tuple[str, str]:
     if text == "release":
         return "release", "the release checkpoint"
     if not text.isascii() or not text.isdigit() or len(text) > 18:
-        raise InputError(
-            f"{path}: holds {shown(text[:80])}, neither an iteration number nor 'release' (damaged tracker file?)"
-        )
+        raise InputError(f"{path}: holds {shown(text[:80])}, neither an iteration number nor 'release' (damaged tracker file?)")
     return f"iter_{int(text):07d}", f"iteration {int(text)}"
 
 
