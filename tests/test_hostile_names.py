@@ -6,8 +6,10 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import cli
+from trainer_saves import write_zero
 
 FIXTURES = Path(__file__).parent / "fixtures"
 RUNS = {
@@ -43,3 +45,17 @@ def test_a_config_nested_too_deep_is_refused(tmp_path: Path) -> None:
     shutil.copytree(RUNS["verl"] / "global_step_1" / "actor", actor)
     (actor / "fsdp_config.json").write_text("[" * 100_000 + "]" * 100_000)
     refused(cli(1, "consolidate", actor, tmp_path / "out", timeout=TIMEOUT)[0], "fsdp_config.json: not valid JSON")
+
+
+def test_zero_partitions_that_do_not_add_up_are_refused(tmp_path: Path) -> None:
+    """Rank 0's fp32 partition one element short, rank 1's one longer: the totals agree, every parameter
+    after the cut would be shifted by one element. DeepSpeed gives every rank the same partition: exit 2."""
+    rng = np.random.default_rng(7)
+    params = {f"model.layers.{i}.mlp.up_proj.weight": rng.standard_normal((6, 5)).astype(np.float32) for i in range(3)}
+    write_zero(tmp_path / "run" / "global_step1", params, 2, 2, shift=1)
+    proc = cli(2, "consolidate", tmp_path / "run", tmp_path / "out", timeout=TIMEOUT)[0]
+    said = "parameter group 0: its fp32 partition holds 45 elements, DeepSpeed gives rank 0 of 2 46"
+    refused(proc, f"bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt: {said}")
+    assert not (tmp_path / "out").exists()
+    write_zero(tmp_path / "good" / "global_step1", params, 2, 2)
+    assert cli(1, "consolidate", tmp_path / "good", tmp_path / "out", timeout=TIMEOUT)[0].returncode == 0

@@ -86,8 +86,11 @@ def write_zero(
     buffers: dict[str, np.ndarray] | None = None,
     groups: list[list[str]] | None = None,
     sub_groups: int = 1,
+    shift: int = 0,
 ) -> None:
-    """A ZeRO checkpoint of ``params`` (fp32 masters) over ``world`` ranks into ``directory`` (a tag folder)."""
+    """A ZeRO checkpoint of ``params`` (fp32 masters) over ``world`` ranks into ``directory`` (a tag folder);
+    ``shift`` (stages 1-2): rank 0's partition that many elements short and rank 1's as many longer, the
+    total unchanged (what DeepSpeed never writes)."""
     directory.mkdir(parents=True, exist_ok=True)
     groups = groups or [list(params)]
     tied, frozen, buffers = tied or {}, frozen or {}, buffers or {}
@@ -108,7 +111,7 @@ def write_zero(
     if stage == 3:
         _write_zero3(directory, params, world, groups, frozen, buffers, model, optim, sub_groups)
     else:
-        _write_zero2(directory, params, world, groups, frozen, buffers, model, optim)
+        _write_zero2(directory, params, world, groups, frozen, buffers, model, optim, shift)
     (directory.parent / "latest").write_text(directory.name)
 
 
@@ -126,7 +129,7 @@ def _parameter(tensor: Call) -> Call:
     return Call(Global("torch._utils", "_rebuild_parameter"), (tensor, False, _HOOKS))
 
 
-def _write_zero2(directory, params, world, groups, frozen, buffers, model, optim) -> None:
+def _write_zero2(directory, params, world, groups, frozen, buffers, model, optim, shift=0) -> None:
     archive = Archive()
     model_value = {
         "module": _module(archive, params, buffers, whole=True),
@@ -142,7 +145,8 @@ def _write_zero2(directory, params, world, groups, frozen, buffers, model, optim
         for flat in flats:
             aligned = -(-flat.size // (2 * world)) * 2 * world
             part = aligned // world
-            piece = flat[rank * part : min((rank + 1) * part, flat.size)]  # saved without its padding
+            cuts = [r * part - (shift if r == 1 else 0) for r in range(world + 1)]
+            piece = flat[cuts[rank] : min(cuts[rank + 1], flat.size)]  # saved without its padding
             slices.append(archive.tensor(piece))
             paddings.append(part - piece.size)
         value = {

@@ -119,12 +119,7 @@ def _zero2(model: ZeroModel, ranked: Sequence[ZeroPartition], directory: str) ->
         buffer = FlatBuffer([Run(s.file, s.begin, s.numel) for s in slices], _itemsize(slices, directory))
         total = sum(math.prod(shape) for _, shape in shapes)
         align = 2 * world
-        if buffer.numel < total or -(-buffer.numel // align) != -(-total // align):
-            raise InputError(
-                f"{directory}: parameter group {g}: the ranks' fp32 slices hold {buffer.numel} elements "
-                f"({', '.join(f'{s.file}: {s.numel}' for s in slices[:4])}{', ...' if world > 4 else ''}), "
-                f"its {len(shapes)} parameters in {model.file} {total} (damaged, or not this checkpoint's files?)"
-            )
+        _equal_partitions(slices, -(-total // align) * align // world, total, g, directory)  # the buffer holds them all
         at = 0
         for name, shape in shapes:
             count = math.prod(shape)
@@ -178,6 +173,21 @@ def _frozen(models: Sequence[ZeroModel], stage: int, params: list[Param], pieces
             )
         params.append(Param(name, stored[0].dtype, shape))
         pieces += buffer.cut(name, 0, numel, 0) if numel else []
+
+
+def _equal_partitions(slices: Sequence[Stored], size: int, total: int, g: int, directory: str) -> None:
+    """DeepSpeed cuts a group's flat buffer, padded to ``size`` elements per rank, into one partition per rank:
+    every rank but the last holds ``size`` elements, the last the rest (with or without its padding). A
+    slice of another size (one short, another long, the same total) would shift every later parameter."""
+    rest = total - size * (len(slices) - 1)
+    for rank, stored in enumerate(slices):
+        last = rank == len(slices) - 1
+        if (stored.numel != size) if not last else not rest <= stored.numel <= size:
+            wanted = f"{size}" if not last else f"{rest} to {size}"
+            raise InputError(
+                f"{directory}/{stored.file}: parameter group {g}: its fp32 partition holds {stored.numel} elements, "
+                f"DeepSpeed gives rank {rank} of {len(slices)} {wanted} for the group's {total} (damaged, or files mixed?)"
+            )
 
 
 def _group(partition: ZeroPartition, g: int, groups: int, directory: str) -> Stored:
