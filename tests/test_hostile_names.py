@@ -3,6 +3,7 @@ exit 2 with one line naming the file, never a traceback, on copies of the real f
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -59,3 +60,21 @@ def test_zero_partitions_that_do_not_add_up_are_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "out").exists()
     write_zero(tmp_path / "good" / "global_step1", params, 2, 2)
     assert cli(1, "consolidate", tmp_path / "good", tmp_path / "out", timeout=TIMEOUT)[0].returncode == 0
+
+
+@pytest.mark.parametrize(
+    ("fields", "said"),
+    [
+        ({"num_hidden_layers": 10**9}, "num_hidden_layers is 1000000000, more than any model has"),
+        ({"num_hidden_layers": 90_000, "num_local_experts": 90_000}, "more tensors than any model has"),
+    ],
+)
+def test_a_config_sized_past_any_model_is_refused_at_once(fields: dict, said: str, tmp_path: Path) -> None:
+    """A layer count of 10**9 in config.json would size loops and lists by it: exit 2 before that."""
+    assets = tmp_path / "assets"
+    shutil.copytree(FIXTURES / "deepspeed" / "llama-zero3" / "hf", assets)
+    config = json.loads((assets / "config.json").read_text())
+    (assets / "config.json").write_text(json.dumps({**config, **fields}))
+    run = FIXTURES / "deepspeed" / "llama-zero3" / "checkpoint"
+    refused(cli(1, "consolidate", run, tmp_path / "out", "--hf-assets", assets, timeout=TIMEOUT)[0], said)
+    refused(cli(1, "inspect", run, "--hf-assets", assets, timeout=TIMEOUT)[0], said)

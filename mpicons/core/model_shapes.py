@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import InputError
 from .reports import Problem, count_of
 
 Shapes = dict[str, tuple[int, ...]]
@@ -226,6 +227,28 @@ def _not_the_model(found: Mismatch, source: str) -> str:
     )
 
 
+#: Sizes past any model's: a config asking for more is refused before anything is sized by it (the
+#: names of every layer and expert are listed, so 10**9 layers would exhaust memory first).
+MAX_LAYERS = 100_000
+MAX_EXPERTS = 100_000
+MAX_NAMES = 20_000_000
+
+
+def check_sizes(config: Mapping[str, Any], path: str) -> None:
+    """Bad input naming the key when the config's layer or expert count is past any model's."""
+    sizes = {key: config.get(key) for key in ("num_hidden_layers", "num_experts", "num_local_experts", "n_routed_experts")}
+    for key, value in sizes.items():
+        bound = MAX_LAYERS if key == "num_hidden_layers" else MAX_EXPERTS
+        if type(value) is int and value > bound:
+            raise InputError(f"{path}: {key} is {value}, more than any model has (at most {bound}): a damaged config?")
+    layers = sizes["num_hidden_layers"] if type(sizes["num_hidden_layers"]) is int else 0
+    experts = max([v for k, v in sizes.items() if k != "num_hidden_layers" and type(v) is int] or [0])
+    if layers * (1 + experts) > MAX_NAMES // 16:
+        raise InputError(
+            f"{path}: num_hidden_layers {layers} with {experts} experts each: more tensors than any model has (a damaged config?)"
+        )
+
+
 _LAYER = re.compile(r"model\.layers\.([0-9]+)\.")
 #: Families whose config leaves ``tie_word_embeddings`` false when it does not say (transformers' defaults).
 _UNTIED_BY_DEFAULT = DENSE_FAMILIES + MOE_FAMILIES + OTHER_FAMILIES
@@ -306,6 +329,7 @@ __all__ = [
     "Disagreement",
     "config_shapes",
     "disagreements",
+    "check_sizes",
     "mismatches",
     "stop_message",
     "DENSE_FAMILIES",

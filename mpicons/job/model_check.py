@@ -31,7 +31,16 @@ from typing import TYPE_CHECKING, Any
 from ..comm.agreement import Comm, agree, agree_on
 from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
-from ..core.model_shapes import Disagreement, Mismatch, Shapes, config_shapes, disagreements, mismatches, stop_message
+from ..core.model_shapes import (
+    Disagreement,
+    Mismatch,
+    Shapes,
+    check_sizes,
+    config_shapes,
+    disagreements,
+    mismatches,
+    stop_message,
+)
 from ..core.reports import Problem, count_of
 from ..io.s3 import is_s3
 from .scan import rank_directory
@@ -216,6 +225,7 @@ def load_model_config(comm: Comm, input_dir: str, assets: HFAssets | None) -> Mo
         if found is None:
             return None
         config, path = found
+        check_sizes(config, path)  # before anything is sized by the config's numbers
         return ModelConfig(dict(config), path, config_shapes(config))
 
     return agree_on(comm, 0, find)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...core.errors import InputError
+from ...core.model_shapes import MAX_EXPERTS, MAX_LAYERS
 from ...core.unpickling import EnumMember, TorchDType, shown
 from ...io.assets import config_with_dtype
 from . import config_deepseek as deepseek
@@ -245,6 +246,9 @@ def described(args: Args, model_type: str | None) -> tuple[str, dict[str, Any]]:
     _check_supported(args)
     family = family_of(args, model_type)
     layers, hidden, heads = args.whole("num_layers"), args.whole("hidden_size"), args.whole("num_attention_heads")
+    experts = args.values.get("num_experts")
+    if layers > MAX_LAYERS or (type(experts) is int and experts > MAX_EXPERTS):  # before any loop sized by them
+        raise args.bad("num_layers" if layers > MAX_LAYERS else "num_experts", "a count a model can have (damaged?)")
     if args.flag("add_bias_linear") and family != "llama":
         raise _unsupported(args, "add_bias_linear", "true", f"no biases in the MLP ({family})")
     mla = FAMILIES[family].mla
