@@ -78,3 +78,25 @@ def test_a_config_sized_past_any_model_is_refused_at_once(fields: dict, said: st
     run = FIXTURES / "deepspeed" / "llama-zero3" / "checkpoint"
     refused(cli(1, "consolidate", run, tmp_path / "out", "--hf-assets", assets, timeout=TIMEOUT)[0], said)
     refused(cli(1, "inspect", run, "--hf-assets", assets, timeout=TIMEOUT)[0], said)
+
+
+def test_a_pickle_of_empty_containers_is_refused_before_it_is_built(tmp_path: Path) -> None:
+    """Two bytes make an empty set (about 200 bytes of memory): a few MB of them in a DeepSpeed archive's
+    data.pkl would take a hundred times the file. The pre-scan counts them first: exit 2, nothing built."""
+    import pickle
+    import tracemalloc
+
+    from mpicons.core.errors import InputError
+    from mpicons.core.unpickling import BYTES_PER_CONTAINER, NOTHING, RestrictedUnpickler, unpickle
+
+    bomb = pickle.dumps([set() for _ in range(300_000)], protocol=4)
+    assert len(bomb) < 300_000 * 3
+    tracemalloc.start()
+    with pytest.raises(InputError, match=f"containers from {len(bomb)} bytes .* {BYTES_PER_CONTAINER} bytes or more"):
+        unpickle(bomb, RestrictedUnpickler, "bomb.pkl", "its data.pkl", NOTHING)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert peak < 16 * len(bomb), peak  # the pre-scan's own bookkeeping only
+    # What checkpoints write passes: a record-like structure of strings, numbers and small containers.
+    plain = pickle.dumps({f"layers.{i}.weight": ([i, i + 1], {"dtype": "bf16"}) for i in range(20_000)}, protocol=4)
+    assert len(unpickle(plain, RestrictedUnpickler, "plain.pkl", "its data.pkl", NOTHING)) == 20_000  # type: ignore[arg-type]

@@ -301,6 +301,10 @@ def unpickle(
 #: Nesting deeper than this is refused before anything is built: DCP's metadata nests about a dozen
 #: levels, and Python's unpickler hashes dict keys recursively (a tuple nested 100,000 deep crashes it).
 MAX_DEPTH = 64
+#: Empty containers a pickle may make: one per :data:`BYTES_PER_CONTAINER` bytes of it, beyond a few
+#: thousand. Checkpoints' pickles spend 24 to 90 bytes per container; two bytes can make an empty set
+#: (about 200 bytes of memory), so without a bound a file would take a hundred times its size.
+BYTES_PER_CONTAINER, FREE_CONTAINERS = 8, 4096
 
 # Opcode kinds of the pre-scan (see :func:`check_opcodes`).
 _ATOM, _COUNTED, _LINE, _EMPTY, _MEMOIZE, _GET, _PUT, _TUPLE_N, _FROM_MARK, _INTO_MARK = range(10)
@@ -353,6 +357,7 @@ def _walk(data: bytes) -> None:
     stack: list[int] = []  # nesting depth of each value on the unpickler's stack
     marks: list[int] = []
     memo: list[int] = []
+    containers, allowed = 0, FREE_CONTAINERS + size // BYTES_PER_CONTAINER
     while at < size:
         kind, arg = kinds[data[at]]
         at += 1
@@ -375,6 +380,9 @@ def _walk(data: bytes) -> None:
             marks.append(len(stack))
         elif kind == empty:
             stack.append(1)
+            containers += 1
+            if containers > allowed:
+                _too_many(containers, size)
         elif kind == tuple_n:
             if len(stack) < arg:
                 raise IndexError
@@ -406,6 +414,13 @@ def _walk(data: bytes) -> None:
         else:
             at = _rare_opcode(data, at, data[at - 1], kind, arg, stack, marks, memo)
     raise pickle.UnpicklingError("the pickle ends without a STOP")
+
+
+def _too_many(containers: int, size: int) -> None:
+    raise _Bound(
+        f"it makes more than {containers - 1} containers from {size} bytes (a checkpoint's pickle spends "
+        f"{BYTES_PER_CONTAINER} bytes or more on each): its objects would take memory out of proportion to the file"
+    )
 
 
 def _deep(depth: int) -> int:
@@ -503,6 +518,8 @@ def _rare_opcode(data: bytes, at: int, op: int, kind: int, arg: int, stack: list
 
 
 __all__ = [
+    "BYTES_PER_CONTAINER",
+    "FREE_CONTAINERS",
     "MAX_DEPTH",
     "NOTHING",
     "TORCH_DTYPES",
