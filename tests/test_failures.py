@@ -200,16 +200,22 @@ def test_read_error_during_node_local_exchange_ends_every_rank(tmp_path):
 # ---------------------------------------------------------------- start-up
 
 
-def _process_with(argument: str) -> int | None:
-    """The pid of a python process whose command line holds ``argument`` (a path unique to the test)."""
+def _processes_with(argument: str) -> list[int]:
+    """The pids of the python processes whose command line holds ``argument``."""
+    found = []
     for entry in Path("/proc").iterdir():
         try:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if os.fsencode(argument) in argv and any(b"python" in arg for arg in argv[:1]):
-            return int(entry.name)
-    return None
+            found.append(int(entry.name))
+    return found
+
+
+def _process_with(argument: str) -> int | None:
+    """The pid of a python process whose command line holds ``argument`` (a path unique to the test)."""
+    return next(iter(_processes_with(argument)), None)
 
 
 def _starting_mpi(pid: int) -> bool:
@@ -253,19 +259,6 @@ def test_a_signal_ends_a_rank_waiting_for_mpi_to_start(tmp_path, signum):
     assert f"rank 0 exit status {128 + signum}" in stderr, stderr  # ended by the signal itself
     assert "Traceback" not in stderr, stderr
     assert not out.exists()
-
-
-def _processes_with(argument: str) -> list[int]:
-    """The pids of the python processes whose command line holds ``argument``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if os.fsencode(argument) in argv and any(b"python" in arg for arg in argv[:1]):
-            found.append(int(entry.name))
-    return found
 
 
 @pytest.mark.parametrize("ranks", [2, 4])

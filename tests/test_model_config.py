@@ -355,3 +355,16 @@ def test_two_rank_files_swapped_are_refused(case: str, tmp_path: Path) -> None:
     words = " ".join(proc.stderr.split())
     assert "this archive was saved as" in words and "files renamed or swapped?" in words, proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_inside_its_own_input_when_asked_as_torchs_consolidators_do(tmp_path: Path) -> None:
+    """torch's consolidators write into INPUT/consolidated (the drop-in's contract): asked for, allowed even
+    where the input is a trainer's (accelerate's) folder; not asked for, refused."""
+    source = tmp_path / "pytorch_model_fsdp_0"
+    shutil.copytree(FIXTURES / "accelerate" / "checkpoint-2" / "pytorch_model_fsdp_0", source)
+    with pytest.raises(InputError, match="mpicons never writes into a training run's folder"):
+        mpicons.consolidate(source, source / "consolidated", comm=SingleProcess())
+    mpicons.consolidate(source, source / "consolidated", inside_input=True, comm=SingleProcess(), sync=False)
+    assert load_tensors(source / "consolidated" / "model.safetensors") == load_tensors(
+        FIXTURES / "accelerate" / "expected.safetensors"
+    )

@@ -216,21 +216,25 @@ def _refuse_a_folder_of_checkpoints(input_dir: str) -> None:
     )
 
 
-def refuse_checkpoint_output(output_dir: str, input_dir: str) -> None:
+def refuse_checkpoint_output(output_dir: str, input_dir: str, inside_input: bool = False) -> None:
     """Bad input when the output directory is the input given, or is (or lies inside) a checkpoint a trainer
     recognises: a model published among a run's files spoils the run's folder and the model (both
-    arguments swapped, most often). A local output only; an ``s3://`` one is checked against the input's prefix."""
+    arguments swapped, most often). A local output only; an ``s3://`` one is checked against the input's
+    prefix. ``inside_input``: the caller asked for the output inside the input (torch's consolidators'
+    contract), so only the folders between the output and the input are looked at."""
     if is_s3(output_dir) or "{rank}" in output_dir:
         return
     out = os.path.realpath(output_dir)
     if not is_s3(input_dir) and "{rank}" not in input_dir and os.path.realpath(input_dir) == out:
         raise InputError(f"{output_dir}: output directory is the input directory; give another directory for the model")
+    given = None if is_s3(input_dir) or not inside_input else os.path.realpath(input_dir)
     path = out
-    while True:
+    while path != given:
         found = checkpoint_at(path)
         if found is not None:
             title = TRAINERS[found.trainer].title
-            where = f"is a {title} checkpoint" if path == out else f"is inside a {title} checkpoint ({path})"
+            a = "an" if title[:1].lower() in "aeiou" else "a"
+            where = f"is {a} {title} checkpoint" if path == out else f"is inside {a} {title} checkpoint ({path})"
             raise InputError(
                 f"{output_dir}: the output directory {where}: mpicons never writes into a training run's folder. "
                 "Are the arguments swapped (mpicons consolidate CHECKPOINT OUTPUT_DIR)? Give an output directory "

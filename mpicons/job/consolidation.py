@@ -446,7 +446,7 @@ def _scan_phase(
 
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
     adapter = load_adapter(comm, options, input_dir)
-    agree_on(comm, 0, lambda: refuse_checkpoint_output(output_dir, input_dir))
+    agree_on(comm, 0, lambda: refuse_checkpoint_output(output_dir, input_dir, inside_input))
     input_dir = adapter.directory(input_dir)  # a trainer's run directory: the iteration's
     check_output_names(comm, owner, output_dir, mapped_names(mapping))
     check_machine(comm, input_dir, output_dir, options.buffer_size, inside_input)
