@@ -100,3 +100,52 @@ def test_a_pickle_of_empty_containers_is_refused_before_it_is_built(tmp_path: Pa
     # What checkpoints write passes: a record-like structure of strings, numbers and small containers.
     plain = pickle.dumps({f"layers.{i}.weight": ([i, i + 1], {"dtype": "bf16"}) for i in range(20_000)}, protocol=4)
     assert len(unpickle(plain, RestrictedUnpickler, "plain.pkl", "its data.pkl", NOTHING)) == 20_000  # type: ignore[arg-type]
+
+
+def _nested_key(levels: int) -> bytes:
+    """A pickle of ``{t: 1}`` where ``t`` is ``levels`` tuples, each of two of the one before: a few
+    hundred bytes whose key Python would hash in 2**levels steps (written opcode by opcode)."""
+    body = b"\x80\x02}\x94)\x94"
+    for level in range(1, levels + 1):
+        body += b"h" + bytes([level]) + b"h" + bytes([level]) + b"\x86\x94"
+    return body + b"h\x00h" + bytes([levels + 1]) + b"K\x01s."
+
+
+def _colliding_keys(count: int) -> bytes:
+    """A pickle of a dict of ``count`` integer keys that all hash alike (``3 + k * (2**61 - 1)``)."""
+    body = b"\x80\x02}\x94("
+    for k in range(1, count + 1):
+        value = (3 + k * (2**61 - 1)).to_bytes(16, "little", signed=True)
+        body += b"\x8a\x10" + value + b"N"
+    return body + b"u."
+
+
+def _with_data_pkl(archive: Path, data_pkl: bytes) -> None:
+    """Replace the pickle of a ``torch.save`` archive, keeping its other members."""
+    import zipfile
+
+    with zipfile.ZipFile(archive) as source:
+        members = [(info.filename, source.read(info)) for info in source.infolist()]
+    with zipfile.ZipFile(archive, "w") as target:
+        for name, data in members:
+            target.writestr(name, data_pkl if name.endswith("/data.pkl") else data)
+
+
+@pytest.mark.parametrize("bomb", ["nested key", "colliding keys"])
+@pytest.mark.parametrize("where", ["megatron .metadata", "megatron common.pt", "deepspeed model states"])
+def test_dict_keys_costly_to_hash_are_refused_before_they_are_built(bomb: str, where: str, tmp_path: Path) -> None:
+    """A 2**40-step key or 20,000 colliding integer keys would keep Python in C code for hours (no signal
+    handled meanwhile); the pre-scan weighs every key first: exit 2 at once, naming the file."""
+    data_pkl = _nested_key(40) if bomb == "nested key" else _colliding_keys(20_000)
+    trainer, name = where.split(" ", 1)
+    source = RUNS["megatron"] if trainer == "megatron" else FIXTURES / "deepspeed" / "llama-zero2" / "checkpoint"
+    run = tmp_path / "run"
+    shutil.copytree(source, run)
+    if name == ".metadata":
+        target = next(run.rglob(".metadata"))
+        target.write_bytes(data_pkl)
+    else:
+        target = next(run.rglob("common.pt" if name == "common.pt" else "mp_rank_00_model_states.pt"))
+        _with_data_pkl(target, data_pkl)
+    said = "steps to hash" if bomb == "nested key" else "8 bytes"
+    refused(cli(1, "consolidate", run, tmp_path / "out", timeout=TIMEOUT)[0], target.name, said)

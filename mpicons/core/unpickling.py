@@ -305,17 +305,30 @@ MAX_DEPTH = 64
 #: thousand. Checkpoints' pickles spend 24 to 90 bytes per container; two bytes can make an empty set
 #: (about 200 bytes of memory), so without a bound a file would take a hundred times its size.
 BYTES_PER_CONTAINER, FREE_CONTAINERS = 8, 4096
+#: What a dict key or set element may cost to hash: Python hashes a tuple (and an integer) afresh at
+#: every use, so a key is at most a tuple of :data:`KEY_PARTS` values that hash at once (names, integers
+#: of up to 8 bytes, records) — 40 tuples that share their parts make one key of 2**40 steps. Tuple keys
+#: are at most :data:`TUPLE_KEYS` per pickle: their hashes are not salted, so many can be made to
+#: collide, and a dict of colliding keys takes quadratic time to build. Checkpoints key by names,
+#: small integers and records.
+KEY_PARTS, TUPLE_KEYS = 32, 4096
+
+# The pre-scan's value on the stack for each value on the unpickler's stack: its nesting depth times
+# 128, plus what hashing it costs (0 for a value that hashes at once, up to 127 meaning "too much").
+_COST, _LEVEL = 127, 128
+_TOO_DEEP = (MAX_DEPTH + 1) * _LEVEL
 
 # Opcode kinds of the pre-scan (see :func:`check_opcodes`).
 _ATOM, _COUNTED, _LINE, _EMPTY, _MEMOIZE, _GET, _PUT, _TUPLE_N, _FROM_MARK, _INTO_MARK = range(10)
 _MARK, _REDUCE, _BUILD, _APPEND, _SETITEM, _POP, _POP_MARK, _DUP, _STACK_GLOBAL, _PERSID = range(10, 20)
-_NEWOBJ, _NEWOBJ_EX, _GLOBAL, _INST, _FRAME, _PROTO, _STOP = range(20, 27)
+_NEWOBJ, _NEWOBJ_EX, _GLOBAL, _INST, _FRAME, _PROTO, _STOP, _LONG = range(20, 28)
 _KIND: dict[bytes, tuple[int, int]] = {  # opcode → (kind, argument bytes or length-prefix bytes)
     **{op: (_ATOM, 0) for op in (b"N", b"\x88", b"\x89")},
     b"K": (_ATOM, 1), b"M": (_ATOM, 2), b"J": (_ATOM, 4), b"G": (_ATOM, 8),
-    **{op: (_COUNTED, 1) for op in (b"\x8c", b"C", b"U", b"\x8a")},
-    **{op: (_COUNTED, 4) for op in (b"X", b"B", b"T", b"\x8b")},
+    **{op: (_COUNTED, 1) for op in (b"\x8c", b"C", b"U")},
+    **{op: (_COUNTED, 4) for op in (b"X", b"B", b"T")},
     **{op: (_COUNTED, 8) for op in (b"\x8d", b"\x8e", b"\x96")},
+    b"\x8a": (_LONG, 1), b"\x8b": (_LONG, 4),
     **{op: (_LINE, 0) for op in (b"I", b"L", b"F", b"S", b"V")},
     **{op: (_EMPTY, 0) for op in (b"]", b")", b"}", b"\x8f")},
     b"\x94": (_MEMOIZE, 0), b"g": (_GET, -1), b"h": (_GET, 1), b"j": (_GET, 4),
@@ -331,6 +344,10 @@ _KIND: dict[bytes, tuple[int, int]] = {  # opcode → (kind, argument bytes or l
 _KINDS = [_KIND.get(bytes([op]), (-1, 0)) for op in range(256)]
 #: The kinds :func:`_walk` handles inline, bound to local names there: its loop runs once per opcode.
 _HOT_KINDS = (_MEMOIZE, _GET, _ATOM, _MARK, _EMPTY, _TUPLE_N, _REDUCE, _NEWOBJ, _BUILD, _FROM_MARK, _INTO_MARK, _COUNTED)
+#: Opcodes that hash what they take from the stack: DICT, SETITEMS, FROZENSET, ADDITEMS (keys every
+#: other value for the dict ones); TUPLE makes a value whose hash costs what its parts cost.
+_KEYED = {ord("d"): 2, ord("u"): 2, 0x91: 1, 0x90: 1}
+_TUPLE = ord("t")
 
 
 class _Stop(Exception):
@@ -339,10 +356,12 @@ class _Stop(Exception):
 
 def check_opcodes(data: bytes) -> None:
     """Walk the pickle's opcodes once, without building anything, and refuse what would make the
-    unpickler take memory out of proportion to the file or crash: a memo index beyond the entries
-    stored so far (the unpickler grows its memo array to the largest index), a length reaching past
-    the end of the data, nesting deeper than :data:`MAX_DEPTH`, opcodes DCP's pickles never use
-    (extension registry, out-of-band buffers). Linear: one step per opcode, the common ones inline."""
+    unpickler take memory or time out of proportion to the file or crash: a memo index beyond the
+    entries stored so far (the unpickler grows its memo array to the largest index), a length reaching
+    past the end of the data, nesting deeper than :data:`MAX_DEPTH`, more containers than the file
+    could hold in a checkpoint, dict keys costly to hash or many tuple keys (:data:`KEY_PARTS`),
+    opcodes DCP's pickles never use (extension registry, out-of-band buffers). Linear: one step per
+    opcode, the common ones inline."""
     try:
         _walk(data)
     except _Stop:
@@ -352,12 +371,13 @@ def check_opcodes(data: bytes) -> None:
 
 
 def _walk(data: bytes) -> None:
-    kinds, size, at, from_bytes, limit = _KINDS, len(data), 0, int.from_bytes, MAX_DEPTH
+    kinds, size, at, from_bytes, too_deep = _KINDS, len(data), 0, int.from_bytes, _TOO_DEEP
     memoize, get, atom, mark, empty, tuple_n, reduce, newobj, build, from_mark, into_mark, counted = _HOT_KINDS
-    stack: list[int] = []  # nesting depth of each value on the unpickler's stack
+    stack: list[int] = []  # depth and hashing cost of each value on the unpickler's stack (see _LEVEL)
     marks: list[int] = []
     memo: list[int] = []
     containers, allowed = 0, FREE_CONTAINERS + size // BYTES_PER_CONTAINER
+    tuple_keys = [0]
     while at < size:
         kind, arg = kinds[data[at]]
         at += 1
@@ -379,41 +399,71 @@ def _walk(data: bytes) -> None:
         elif kind == mark:
             marks.append(len(stack))
         elif kind == empty:
-            stack.append(1)
+            stack.append(128)
             containers += 1
             if containers > allowed:
                 _too_many(containers, size)
         elif kind == tuple_n:
             if len(stack) < arg:
                 raise IndexError
-            depth = 1 + max(stack[-arg:])
+            parts = stack[-arg:]
             del stack[-arg:]
-            stack.append(depth)
-            if depth > limit:
-                _deep(depth)
-        elif kind == reduce or kind == newobj:
-            depth = stack.pop()
-            stack[-1] = depth if depth > 1 else 1
+            cost = arg + 1
+            for part in parts:
+                cost += part & 127
+            level = (max(parts) | 127) + 1
+            if level >= too_deep:
+                _deep(level)
+            stack.append(level | cost if cost < 127 else level | 127)
+        elif kind == reduce:
+            arguments = stack.pop()
+            stack[-1] = arguments if arguments >= 128 else 128  # what a stand-in returns may hash like its arguments
+        elif kind == newobj:
+            arguments = stack.pop()
+            stack[-1] = arguments & -128 or 128  # a record: hashed by identity
         elif kind == build:
-            depth = 1 + stack.pop()
-            if depth > stack[-1]:
-                stack[-1] = depth if depth <= limit else _deep(depth)
+            level = (stack.pop() | 127) + 1
+            if level > stack[-1]:
+                stack[-1] = (level if level < too_deep else _deep(level)) | (stack[-1] & 127)
         elif kind == from_mark or kind == into_mark:
             start = marks.pop()
-            depth = 1 + max(stack[start:], default=0)
+            parts = stack[start:]
             del stack[start:]
+            level = (max(parts, default=0) | 127) + 1
+            op = data[at - 1]
+            if op in _KEYED:
+                keys = parts[:: _KEYED[op]]
+                if keys and max(keys):
+                    _check_keys(keys, tuple_keys)
             if kind == into_mark:
-                stack[-1] = _deep(max(stack[-1], depth))
+                stack[-1] = _deep(max(stack[-1], level))
+            elif op == _TUPLE:
+                stack.append(_deep(level | min(127, 1 + len(parts) + sum(part & 127 for part in parts))))
             else:
-                stack.append(_deep(depth))
+                stack.append(_deep(level))
         elif kind == counted:
             at += arg + from_bytes(data[at : at + arg], "little")
             if at > size:
                 raise pickle.UnpicklingError("a value reaches past the end of the pickle")
             stack.append(0)
         else:
-            at = _rare_opcode(data, at, data[at - 1], kind, arg, stack, marks, memo)
+            at = _rare_opcode(data, at, data[at - 1], kind, arg, stack, marks, memo, tuple_keys)
     raise pickle.UnpicklingError("the pickle ends without a STOP")
+
+
+def _check_keys(keys: list[int], tuple_keys: list[int]) -> None:
+    """Refuse dict keys (or set elements) that cost too much to hash, or too many tuples as keys."""
+    costs = [key & 127 for key in keys if key & 127]
+    if not costs:
+        return
+    if max(costs) > KEY_PARTS + 1:
+        raise _Bound(
+            f"a dict key or set element costs more than {KEY_PARTS + 1} steps to hash (a tuple of more than {KEY_PARTS} "
+            "values, tuples nested in it, or an integer of more than 8 bytes), and Python hashes it anew at every use"
+        )
+    tuple_keys[0] += len(costs)
+    if tuple_keys[0] > TUPLE_KEYS:
+        raise _Bound(f"it uses more than {TUPLE_KEYS} tuples as dict keys or set elements, whose hashes can collide")
 
 
 def _too_many(containers: int, size: int) -> None:
@@ -423,10 +473,10 @@ def _too_many(containers: int, size: int) -> None:
     )
 
 
-def _deep(depth: int) -> int:
-    if depth > MAX_DEPTH:
+def _deep(level: int) -> int:
+    if level >= _TOO_DEEP:
         raise _Bound(f"it nests values more than {MAX_DEPTH} deep")
-    return depth
+    return level
 
 
 def _opcode_index(data: bytes, at: int, width: int) -> tuple[int, int]:
@@ -459,7 +509,9 @@ def _line_end(data: bytes, at: int, lines: int = 1) -> int:
     return at
 
 
-def _rare_opcode(data: bytes, at: int, op: int, kind: int, arg: int, stack: list[int], marks: list[int], memo: list[int]) -> int:
+def _rare_opcode(
+    data: bytes, at: int, op: int, kind: int, arg: int, stack: list[int], marks: list[int], memo: list[int], tuple_keys: list[int]
+) -> int:
     """:func:`check_opcodes` for the opcodes that are not in every piece's record; raises :class:`_Stop` at STOP."""
     if kind == _PUT:
         index, at = _opcode_index(data, at, arg)
@@ -470,12 +522,14 @@ def _rare_opcode(data: bytes, at: int, op: int, kind: int, arg: int, stack: list
         memo.append(stack[-1]) if index == len(memo) else memo.__setitem__(index, stack[-1])
     elif kind in (_NEWOBJ_EX, _STACK_GLOBAL):
         deepest = _pop(stack, 3 if kind == _NEWOBJ_EX else 2)
-        stack.append(0 if kind == _STACK_GLOBAL else max(deepest, 1))
+        stack.append(0 if kind == _STACK_GLOBAL else deepest & -128 or 128)
     elif kind in (_APPEND, _SETITEM):
-        depth = 1 + _pop(stack, 2 if kind == _SETITEM else 1)
+        if kind == _SETITEM and len(stack) >= 2 and stack[-2]:
+            _check_keys(stack[-2:-1], tuple_keys)
+        level = (_pop(stack, 2 if kind == _SETITEM else 1) | 127) + 1
         if not stack:
             raise pickle.UnpicklingError("stack underflow")
-        stack[-1] = _deep(max(stack[-1], depth))
+        stack[-1] = _deep(max(stack[-1], level))
     elif kind == _POP:
         if marks and marks[-1] == len(stack):
             marks.pop()
@@ -490,20 +544,26 @@ def _rare_opcode(data: bytes, at: int, op: int, kind: int, arg: int, stack: list
     elif kind == _PERSID:
         if arg < 0:
             at = _line_end(data, at)
-            stack.append(1)
+            stack.append(128)
         else:
-            stack.append(max(_pop(stack, 1), 1))
+            stack.append(_pop(stack, 1) & -128 or 128)
+    elif kind == _LONG:
+        length = int.from_bytes(data[at : at + arg], "little")
+        at += arg + length
+        if at > len(data):
+            raise pickle.UnpicklingError("a value reaches past the end of the pickle")
+        stack.append(0 if length <= 8 else 127)  # a longer integer is hashed digit by digit at every use
     elif kind in (_LINE, _GLOBAL):
-        at = _line_end(data, at, 2 if kind == _GLOBAL else 1)
-        stack.append(0)
+        start, at = at, _line_end(data, at, 2 if kind == _GLOBAL else 1)
+        stack.append(127 if op in b"IL" and at - start > 21 else 0)
     elif kind == _INST:
         at = _line_end(data, at, 2)
         if not marks:
             raise pickle.UnpicklingError("no MARK")
         start = marks.pop()
-        depth = 1 + max(stack[start:], default=0)
+        level = (max(stack[start:], default=0) | 127) + 1
         del stack[start:]
-        stack.append(_deep(depth))
+        stack.append(_deep(level))
     elif kind == _FRAME:
         if at + 8 > len(data) or at + 8 + int.from_bytes(data[at : at + 8], "little") > len(data):
             raise pickle.UnpicklingError("a frame reaches past the end of the pickle")
@@ -520,9 +580,11 @@ def _rare_opcode(data: bytes, at: int, op: int, kind: int, arg: int, stack: list
 __all__ = [
     "BYTES_PER_CONTAINER",
     "FREE_CONTAINERS",
+    "KEY_PARTS",
     "MAX_DEPTH",
     "NOTHING",
     "TORCH_DTYPES",
+    "TUPLE_KEYS",
     "AllowList",
     "Budget",
     "EnumMember",
