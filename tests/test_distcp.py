@@ -730,7 +730,7 @@ def test_a_hostile_checkpoint_changes_nothing_for_the_next_one(tmp_path: Path) -
 
 def test_the_opcode_check_passes_what_torch_and_the_sample_write(tmp_path: Path) -> None:
     """Control for the bounds: every pickle of the fixtures and of the sample is read."""
-    from mpicons.core.unpickling import check_opcodes
+    from mpicons.core.pickle_scan import check_opcodes
 
     write_sample(tmp_path / "sample", SampleConfig(layers=1, hidden=16, intermediate=40, vocab=50), distcp="torch_save")
     directories = [DISTCP_FIXTURES / name / "dcp" for name in DISTCP_NAMES] + [tmp_path / "sample"]

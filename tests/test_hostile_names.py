@@ -87,7 +87,8 @@ def test_a_pickle_of_empty_containers_is_refused_before_it_is_built(tmp_path: Pa
     import tracemalloc
 
     from mpicons.core.errors import InputError
-    from mpicons.core.unpickling import BYTES_PER_CONTAINER, NOTHING, RestrictedUnpickler, unpickle
+    from mpicons.core.pickle_scan import BYTES_PER_CONTAINER
+    from mpicons.core.unpickling import NOTHING, RestrictedUnpickler, unpickle
 
     bomb = pickle.dumps([set() for _ in range(300_000)], protocol=4)
     assert len(bomb) < 300_000 * 3
@@ -149,3 +150,41 @@ def test_dict_keys_costly_to_hash_are_refused_before_they_are_built(bomb: str, w
         _with_data_pkl(target, data_pkl)
     said = "steps to hash" if bomb == "nested key" else "8 bytes"
     refused(cli(1, "consolidate", run, tmp_path / "out", timeout=TIMEOUT)[0], target.name, said)
+
+
+def _padded_directory(archive: Path, extra: int) -> int:
+    """Append ``extra`` copies of the archive's last central-directory entry (ZIP64 end records then
+    count them): a directory far larger than its members need. Returns the new file's size."""
+    import struct
+    import zipfile
+
+    data = archive.read_bytes()
+    with zipfile.ZipFile(archive) as source:
+        start, last = source.start_dir, source.infolist()[-1]
+    end = data.rfind(b"PK\x06\x06")  # torch.save writes ZIP64 end records after the directory
+    directory = data[start:end]
+    entry = directory[directory.rfind(b"PK\x01\x02") :]
+    assert entry[46 : 46 + len(last.filename)] == last.filename.encode()
+    entries = directory + entry * extra
+    count = entries.count(b"PK\x01\x02")
+    record64 = struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, len(entries), start)
+    locator = struct.pack("<4sLQL", b"PK\x06\x07", 0, start + len(entries), 1)
+    eocd = struct.pack("<4s4H2LH", b"PK\x05\x06", 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0)
+    archive.write_bytes(data[:start] + entries + record64 + locator + eocd)
+    return archive.stat().st_size
+
+
+def test_a_central_directory_larger_than_its_members_need_is_refused_in_bounded_memory(tmp_path: Path) -> None:
+    """300,000 made-up directory entries (a 25 MB file) would cost zipfile a few hundred MB and many
+    seconds; the directory is streamed first, and refused since its data.pkl names a handful of storages."""
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "deepspeed" / "llama-zero2" / "checkpoint", run)
+    states = next(run.rglob("mp_rank_00_model_states.pt"))
+    assert _padded_directory(states, 300_000) > 20_000_000
+    proc, _ = cli(1, "consolidate", run, tmp_path / "out", timeout=TIMEOUT)
+    refused(proc, states.name, "central directory lists 300007 entries", "at most")
+    # A control: the same archive padded within what its data.pkl allows is read as before.
+    shutil.rmtree(run)
+    shutil.copytree(FIXTURES / "deepspeed" / "llama-zero2" / "checkpoint", run)
+    _padded_directory(next(run.rglob("mp_rank_00_model_states.pt")), 10)
+    assert cli(1, "consolidate", run, tmp_path / "out2", timeout=TIMEOUT)[0].returncode == 0

@@ -30,6 +30,7 @@ from .errors import InputError
 from .format import DTYPE_BY_NAME, MAX_DIM, MAX_HEADER_SIZE, MAX_NDIM, parse_header
 from .headers import SHARDING_KEY
 from .unpickling import Budget, RestrictedUnpickler, Sealed, TorchDType, shown, unpickle
+from .zip_directory import check_directory, simple_members
 
 _ZIP_LOCAL = b"PK\x03\x04"
 
@@ -301,45 +302,9 @@ def _locate_one(
     return _blob_piece(blob, where, item), None
 
 
-_EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
-_LOCATOR = struct.Struct("<4sLQL")  # ZIP64 end of central directory locator
-_EOCD64 = struct.Struct("<4sQ2H2L4Q")  # ZIP64 end of central directory record
-_CENTRAL = struct.Struct("<4s6H3L5H2L")  # central directory file header
 _LOCAL = struct.Struct("<4s5H3L2H")  # local file header
 _PEEK = 4096
 _BLOB_PREFIX = 9  # a safetensors blob's length and its header's first byte
-
-
-def _simple_members(tail: bytes, length: int) -> tuple[dict[str, tuple[int, int, int]], int] | None:
-    """Members (method, stored size, local header offset) of the archive ending with ``tail`` and where
-    its central directory starts, or None when it is not laid out as simply as ``torch.save`` writes it
-    (no comment, the central directory within ``tail``, no ZIP64 member fields): :mod:`zipfile` reads those."""
-    if len(tail) < _EOCD.size:
-        return None
-    signature, _, _, _, count, size, offset, comment = _EOCD.unpack_from(tail, len(tail) - _EOCD.size)
-    if signature != b"PK\x05\x06" or comment:
-        return None
-    base = length - len(tail)  # archive offset of tail[0]
-    locator = len(tail) - _EOCD.size - _LOCATOR.size
-    if locator >= 0 and tail[locator : locator + 4] == b"PK\x06\x07":
-        at = _LOCATOR.unpack_from(tail, locator)[2] - base
-        if at < 0 or at + _EOCD64.size > len(tail) or tail[at : at + 4] != b"PK\x06\x06":
-            return None
-        count, size, offset = _EOCD64.unpack_from(tail, at)[7:10]
-    at, central = offset - base, offset
-    if at < 0 or at + size > len(tail):
-        return None
-    members = {}
-    for _ in range(count):
-        if at + _CENTRAL.size > len(tail):
-            return None
-        fields = _CENTRAL.unpack_from(tail, at)
-        method, stored, names, extra, note, local = fields[4], fields[8], fields[10], fields[11], fields[12], fields[16]
-        if fields[0] != b"PK\x01\x02" or 0xFFFFFFFF in (stored, fields[9], local) or stored != fields[9]:
-            return None
-        members[tail[at + _CENTRAL.size : at + _CENTRAL.size + names].decode("utf-8", "replace")] = (method, stored, local)
-        at += _CENTRAL.size + names + extra + note
-    return members, central
 
 
 _DESCRIPTOR = b"PK\x07\x08"
@@ -395,7 +360,7 @@ def _archive_piece(
         whole = len(head) >= item.item_length  # a small item: its head is all of it
         tail = head[start:] if whole else source.read_at(item.item_offset + start, item.item_length - start)
         record = _ItemBytes(source, item, head, tail)
-        found = _simple_members(tail, item.item_length)
+        found = simple_members(tail, item.item_length)
     if found is None:
         return _archive_piece_zipfile(source, where, item)
     members, central = found
@@ -427,6 +392,7 @@ def _archive_piece(
 def _archive_piece_zipfile(source: ByteSource, where: str, item: Item) -> tuple[int, tuple[int, ...] | None]:
     """:func:`_archive_piece` for any zip archive, read through :mod:`zipfile`."""
     record = _ItemBytes(source, item, b"")
+    check_directory(record.read, item.item_length, f"{where} (the item at byte {item.item_offset})")
     try:
         archive = zipfile.ZipFile(SourceWindow(source, item.item_offset, item.item_length))
         members = {info.filename: info for info in archive.infolist()}

@@ -46,12 +46,12 @@ from .distcp_items import (
     _member_start,
     _rebuild_v2,
     _rebuild_v3,
-    _simple_members,
     _TensorRef,
 )
 from .errors import InputError
 from .format import DTYPE_BY_NAME
 from .unpickling import NOTHING, AllowList, Budget, Record, TorchDType, record_class, shown, unpickle
+from .zip_directory import check_directory, simple_members
 
 #: A saved tensor: ``.storage`` (``.key``, ``.dtype``, ``.numel``), ``.storage_offset`` (elements),
 #: ``.size``, ``.stride``, ``.dtype`` (safetensors name).
@@ -370,7 +370,7 @@ def read_archive(source: ByteSource, allow: AllowList, kind: str, fast: bool = T
     not laid out the simple way ``torch.save`` writes it)."""
     path = source.name
     tail = source.read_at(max(0, source.size - _TAIL), min(source.size, _TAIL))
-    found = _simple_members(tail, source.size) if fast else None
+    found = simple_members(tail, source.size) if fast else None
     members, central = found if found is not None else _zipfile_members(source)
     pickles = [name for name in members if name.endswith("/data.pkl") and name.count("/") == 1]
     if len(pickles) != 1:
@@ -431,7 +431,9 @@ def _check_byte_order(
 
 
 def _zipfile_members(source: ByteSource) -> tuple[dict[str, tuple[int, int, int]], int]:
-    """Members and central directory offset of any zip archive, read through :mod:`zipfile` in bounded reads."""
+    """Members and central directory offset of any zip archive, read through :mod:`zipfile` in bounded reads
+    once :func:`~mpicons.core.zip_directory.check_directory` has bounded its entries."""
+    check_directory(source.read_at, source.size, source.name)
     try:
         archive = zipfile.ZipFile(_BoundedWindow(source, 0, source.size))
         members = {}
