@@ -378,6 +378,28 @@ def test_memory_running_out_anywhere_is_one_clear_line(tmp_path):
 
 
 @pytest.mark.slow
+def test_threads_that_cannot_start_are_memory_running_out(tmp_path):
+    """Under ``ulimit -v`` a writer thread's stack is what fails first (``can't start new thread``): at
+    3 ranks on a Megatron checkpoint, each limit either consolidates or says out of memory in one line."""
+    run = Path(__file__).parent / "fixtures" / "megatron" / "llama-tp2" / "checkpoint"
+    said = 0
+    for mib in range(180, 236, 6):
+        out = tmp_path / f"out-{mib}"
+        proc = subprocess.run(
+            [MPIEXEC, "-n", "3", sys.executable, "-m", "mpicons", "consolidate", str(run), str(out)],
+            capture_output=True, text=True, timeout=60, env=subprocess_env(), preexec_fn=_address_space(mib << 20),
+        )  # fmt: skip
+        if proc.returncode == 0:
+            continue
+        assert "Traceback" not in proc.stderr and "internal error" not in proc.stderr, (mib, proc.stderr)
+        lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("mpicons: error:")]
+        assert 1 <= len(lines) <= 3 and all(re.match(r"mpicons: error: (\[rank \d\] )?out of memory", line) for line in lines)
+        said += 1
+        assert not out.exists(), mib
+    assert said >= 1
+
+
+@pytest.mark.slow
 def test_memory_running_out_before_mpi_starts_is_one_line_per_rank(tmp_path):
     """Every rank under the same limit, too small for MPI to start: each says so in one line and exits."""
     proc = subprocess.run(

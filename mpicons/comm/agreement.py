@@ -18,7 +18,8 @@ import traceback
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from ..core.errors import OUT_OF_MEMORY, InputError, Interrupted, MpiconsError, WriteError
+from ..core.errors import InputError, Interrupted, MpiconsError, WriteError
+from ..core.machine import memory_exhausted, out_of_memory_line
 from .base import Communicator, sleeping_wait
 from .interrupts import deferred, raise_pending, raising_inside
 
@@ -68,11 +69,11 @@ def _outcome(fn: Callable[[], T]) -> tuple[Error | None, T | None]:
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         return ("write", f"{where}{exc.strerror or exc}"), None
-    except MemoryError:
-        return ("write", OUT_OF_MEMORY), None
     except KeyboardInterrupt:
         return ("interrupt", "interrupted (KeyboardInterrupt)"), None
     except BaseException as exc:  # noqa: BLE001 - a bug or a SystemExit inside a phase: reported on every rank
+        if memory_exhausted(exc):  # MemoryError, or a thread whose stack could not be mapped
+            return ("write", out_of_memory_line()), None
         return ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"), None
 
 

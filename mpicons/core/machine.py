@@ -15,8 +15,9 @@ from .reports import count_of, human_bytes, human_size
 #: the process themselves with their own messages (OpenBLAS exits, MPI_Init aborts), so it is checked first.
 NUMPY_START_ROOM = 96 << 20  # numpy with one OpenBLAS thread: about 86 MB
 MPI_START_ROOM = 64 << 20  # MPICH with UCX: about 45 MB of pools and thread stacks
-#: How the dynamic loader reports an ``mmap`` refused for want of memory (it raises no MemoryError).
-_LOADER_OUT_OF_MEMORY = ("failed to map segment from shared object", "cannot allocate memory")
+#: How the dynamic loader reports an ``mmap`` refused for want of memory (it raises no MemoryError),
+#: and how Python reports a thread whose stack could not be mapped.
+_OUT_OF_MEMORY_REASONS = ("failed to map segment from shared object", "cannot allocate memory", "can't start new thread")
 
 
 def host_name() -> str:
@@ -112,8 +113,9 @@ def check_room_to_start(library: str, room: int) -> None:
 
 
 def memory_exhausted(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what caused it) is memory running out: a MemoryError, ENOMEM, or a library
-    the loader could not map (an ImportError or RuntimeError naming the loader's reason)."""
+    """Whether ``exc`` (or what caused it) is memory running out: a MemoryError, ENOMEM, a library the
+    loader could not map (an ImportError or RuntimeError naming the loader's reason), or a thread that
+    could not start (its stack is mapped like any memory: under ``ulimit -v`` it is what fails first)."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen:
@@ -124,7 +126,7 @@ def memory_exhausted(exc: BaseException) -> bool:
             return True
         if isinstance(current, (ImportError, RuntimeError, OSError)):
             text = str(current).lower()
-            if any(reason in text for reason in _LOADER_OUT_OF_MEMORY):
+            if any(reason in text for reason in _OUT_OF_MEMORY_REASONS):
                 return True
         current = current.__cause__ or current.__context__
     return False
