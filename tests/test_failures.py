@@ -311,6 +311,31 @@ def test_a_signal_caught_before_mpi_starts_ends_the_process_there():
     assert proc.stdout == "" and proc.stderr == ""
 
 
+def test_a_signal_is_acted_on_while_a_pickle_is_being_built():
+    """Python's unpickler is C code: a signal waits until it returns to Python. mpicons' unpickler
+    reads its bytes through Python methods every 128 KiB, so the handler runs in one of them, mid-build,
+    not after a large pickle (here 2 s of building) is done."""
+    code = (
+        "import pickle, signal\n"
+        "from mpicons.core.unpickling import NOTHING, RestrictedUnpickler\n"
+        "data = pickle.dumps({f'layers.{i}.weight': [i, {'dtype': 'bf16'}] for i in range(1_000_000)}, protocol=2)\n"
+        "where = []\n"
+        "def stop(signum, frame):\n"
+        "    where.append(frame.f_code.co_filename)\n"
+        "    raise KeyboardInterrupt\n"
+        "signal.signal(signal.SIGALRM, stop)\n"
+        "unpickler = RestrictedUnpickler(data, NOTHING)\n"
+        "signal.setitimer(signal.ITIMER_REAL, 0.1)\n"
+        "try:\n"
+        "    unpickler.load()\n"
+        "except KeyboardInterrupt:\n"
+        "    pass\n"
+        "print(where[0] if where else 'no signal')\n"
+    )
+    proc = run_python("-c", code, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("unpickling.py"), proc.stdout + proc.stderr
+
+
 def test_handlers_come_back_after_mpi_starts():
     code = (
         "import signal\n"

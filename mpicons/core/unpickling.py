@@ -14,7 +14,6 @@ pickle's size. The readers of ``.metadata`` (:mod:`mpicons.core.distcp_metadata`
 
 from __future__ import annotations
 
-import io
 import pickle
 import reprlib
 from collections.abc import Callable, Iterable
@@ -232,6 +231,35 @@ def _torch_dtype(module: str, name: str) -> TorchDType | None:
     return _TORCH_DTYPE_STANDINS.get(name) if module == "torch" else None
 
 
+class _Steps:
+    """The pickle's bytes as a file whose methods are Python code: the C unpickler reads ahead through
+    them every 128 KiB or so, and each call gives Python a moment to act on a signal (SIGTERM, Ctrl-C),
+    which a ``BytesIO`` would not give it until the whole pickle is built."""
+
+    __slots__ = ("data", "at")
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.at = memoryview(data), 0
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self.data) if size is None or size < 0 else min(len(self.data), self.at + size)
+        chunk, self.at = self.data[self.at : end].tobytes(), end
+        return chunk
+
+    def readinto(self, buffer: Any) -> int:
+        count = min(len(buffer), len(self.data) - self.at)
+        buffer[:count] = self.data[self.at : self.at + count]
+        self.at += count
+        return count
+
+    def peek(self, size: int = 0) -> bytes:
+        return self.data[self.at : self.at + max(size, 1)].tobytes()
+
+    def readline(self) -> bytes:
+        end = bytes(self.data[self.at : self.at + (1 << 16)]).find(b"\n")
+        return self.read(end + 1 if end >= 0 else 1 << 16)
+
+
 class RestrictedUnpickler(pickle.Unpickler):
     """A restricted unpickler: ``find_class`` hands out only read-only stand-ins (functions bound to
     this pickle's budget, made afresh for each pickle), the format's own classes (``others``) and
@@ -241,7 +269,7 @@ class RestrictedUnpickler(pickle.Unpickler):
     others: dict[tuple[str, str], object] = {}
 
     def __init__(self, data: bytes, allow: AllowList = NOTHING) -> None:
-        super().__init__(io.BytesIO(data))
+        super().__init__(_Steps(data))
         budget = Budget(len(data))
         self._found = {key: _Function(_enum_member(".".join(key)), budget) for key in allow.enums}
         self._found.update({key: _Function(function, budget) for key, function in self.functions_for(allow).items()})
