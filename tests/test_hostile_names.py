@@ -188,3 +188,22 @@ def test_a_central_directory_larger_than_its_members_need_is_refused_in_bounded_
     shutil.copytree(FIXTURES / "deepspeed" / "llama-zero2" / "checkpoint", run)
     _padded_directory(next(run.rglob("mp_rank_00_model_states.pt")), 10)
     assert cli(1, "consolidate", run, tmp_path / "out2", timeout=TIMEOUT)[0].returncode == 0
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_common_pt_args_that_contradict_the_tensors_are_refused(layers: int, tmp_path: Path) -> None:
+    """The llama-tp2 run stacks 3 layers; its common.pt made to say 2 or 4 would derive a config that
+    transformers loads with warnings and wrong logits. Refused, naming the args and the layers found."""
+    import zipfile
+
+    run = tmp_path / "run"
+    shutil.copytree(RUNS["megatron"], run)
+    common = next(run.rglob("common.pt"))
+    with zipfile.ZipFile(common) as archive:
+        data_pkl = archive.read("common/data.pkl")
+    field = b"\x00\x00num_layersq-K"  # the args' num_layers field, memoized, then BININT1
+    assert data_pkl.count(field + b"\x03") == 1
+    _with_data_pkl(common, data_pkl.replace(field + b"\x03", field + bytes([layers])))
+    proc = cli(1, "consolidate", run, tmp_path / "out", timeout=TIMEOUT)[0]
+    refused(proc, "the config derived from", "common.pt's args", f"num_hidden_layers is {layers}", "3 layers")
+    assert not (tmp_path / "out").exists()

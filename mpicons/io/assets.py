@@ -120,6 +120,13 @@ class HFAssets:
     #: Every file's bytes, read at once when the assets are in object storage (``s3://``): they travel
     #: with the job's agreed settings, so whichever rank publishes has them. None: read from the directory.
     contents: dict[str, bytes] | None = field(default=None, repr=False)
+    #: What to call the config in messages when it is no file of ``directory`` (one derived from a run's args).
+    config_origin: str | None = None
+
+    @property
+    def config_path(self) -> str:
+        """The config as messages name it: its file, or where it was derived from."""
+        return self.config_origin or os.path.join(self.directory, "config.json")
 
 
 def read_assets(directory: str | os.PathLike[str], endpoint: str | None = None) -> HFAssets:

@@ -116,7 +116,7 @@ def _config_of(input_dir: str, assets: HFAssets | None) -> tuple[Mapping[str, An
     One beside the input that cannot be read as a config is passed over with a warning: it was not asked for.
     """
     if assets is not None:
-        return None if assets.config is None else (assets.config, os.path.join(assets.directory, CONFIG_NAME))
+        return None if assets.config is None else (assets.config, assets.config_path)
     path = config_beside(input_dir)
     if path is None:
         return None

@@ -143,7 +143,8 @@ class Megatron(Trainer):
         if found is None or run is None or run.args is None:
             raise InputError(f"--adapter {self.name} needs the model's config.json ({_no_args(found)}): give --hf-assets DIR")
         config = derive_config(run.args, run.path, model_type)
-        assets = HFAssets(found.directory, config, None, ("config.json",), (), render_config(config))
+        origin = f"the config derived from {run.path}'s args"
+        assets = HFAssets(found.directory, config, None, ("config.json",), (), render_config(config), config_origin=origin)
         note = f"config.json derived from the run's args ({run.path}): model_type {config['model_type']}"
         return assets, (note,)
 
