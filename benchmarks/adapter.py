@@ -80,7 +80,7 @@ def check_adapter_output(output: Path, described: dict[str, Any]) -> int:
     source tensor at a time; returns how many were compared, raises SystemExit on the first that differs."""
     import numpy as np
 
-    from mpicons.core.format import read_header
+    from mpicons.core.safetensors_codec import read_header
     from mpicons.frontends.sample import hf_config, torchtitan_to_hf
     from mpicons.sample import SampleConfig, full_tensor, tensor_specs
 

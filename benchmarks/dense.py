@@ -76,7 +76,7 @@ class DenseResult:
 
 def sample_mapping(size: int, float_only: bool) -> dict[str, int]:
     """torch's ``fqn_to_index_mapping`` for the sample: tensor name → output file index from 1."""
-    from mpicons.core.format import DTYPE_BY_NAME
+    from mpicons.core.safetensors_codec import DTYPE_BY_NAME
     from mpicons.sample import SampleConfig, tensor_specs
 
     specs = tensor_specs(SampleConfig.sized(size))

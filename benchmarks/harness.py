@@ -231,7 +231,7 @@ def same_tensors(reference: Path, other: Path) -> str | None:
     A consolidator other than mpicons (torch's) writes different file bytes (no padding, no
     ``__metadata__``, its own order), so its output is compared tensor by tensor rather than with cmp.
     """
-    from mpicons.core.format import read_header
+    from mpicons.core.safetensors_codec import read_header
 
     def tensors(directory: Path) -> dict[str, tuple[Path, str, tuple[int, ...], int, int]]:
         if (directory / "model.safetensors.index.json").exists():

@@ -83,7 +83,7 @@ class Output:
     """Reads tensors of a consolidated directory (index or single file) by name, or a leading-axis slice."""
 
     def __init__(self, directory: Path) -> None:
-        from mpicons.core.format import read_header
+        from mpicons.core.safetensors_codec import read_header
 
         index = directory / "model.safetensors.index.json"
         files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else ["model.safetensors"]

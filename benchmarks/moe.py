@@ -50,7 +50,7 @@ def ensure_sample(workdir: Path, size: int, training_ranks: int) -> tuple[Path, 
 
 
 def pieces(directory: Path) -> int:
-    from mpicons.core.headers import read_table
+    from mpicons.formats.shard_headers import read_table
 
     return len(read_table(str(directory)).pieces)
 

@@ -25,8 +25,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from mpicons.core.format import build_header  # noqa: E402
 from mpicons.core.names import shard_file_name  # noqa: E402
+from mpicons.core.safetensors_codec import build_header  # noqa: E402
 from mpicons.frontends.arguments import parse_size  # noqa: E402
 
 MPIEXEC = str(Path(sys.executable).parent / "mpiexec")

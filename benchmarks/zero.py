@@ -100,7 +100,7 @@ def converter(workdir: Path) -> Path | None:
 
 def check_outputs(workdir: Path, described: dict[str, Any], cases: list[str]) -> str:
     """mpicons' ZeRO output against the sample's weights; every other output against it, tensor by tensor."""
-    from mpicons.core.format import read_header
+    from mpicons.core.safetensors_codec import read_header
     from mpicons.sample import ZeroSampleConfig, zero_expected_hf
 
     reference = workdir / f"out-{cases[0]}"

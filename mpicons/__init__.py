@@ -5,9 +5,11 @@ Importing mpicons does not start MPI: the exports below and the public submodule
 given no communicator (COMM_WORLD) or one is created. No module is named like an exported name, so
 ``mpicons.verify`` is the function whatever has been imported.
 
-The package is layered, lowest first: ``core`` (pure), ``comm`` (the ranks), ``io`` (files),
-``job`` (consolidation), ``frontends`` (command line, inspect, verify, the sample, the torch
-drop-in); each may import only itself and the layers below. This top level is above them all.
+The package is layered, lowest first: ``core`` (pure: foundations, plan, engine), ``adaptation``
+(model adapters' rules), ``formats`` (what trainers write, read), ``comm`` (the ranks), ``io``
+(files, object storage), ``trainers`` (one leaf each), ``job`` (consolidation), ``frontends``
+(command line, inspect, verify, the sample, the torch drop-in); each may import only itself and
+the layers below. This top level is above them all.
 """
 
 from __future__ import annotations

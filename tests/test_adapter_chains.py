@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from numpy.lib.stride_tricks import as_strided
 
-from mpicons.core.adapter_rules import parse_rules
-from mpicons.core.adapting import Conversion, convert_pieces, plan_conversion
+from mpicons.adaptation.apply import Conversion, convert_pieces, plan_conversion
+from mpicons.adaptation.rules import parse_rules
 from mpicons.core.errors import InputError
 from mpicons.core.table import Pieces
 

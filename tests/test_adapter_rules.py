@@ -20,9 +20,9 @@ import safetensors.numpy
 from helpers import reference_bytes, run_python
 
 import mpicons
+from mpicons.adaptation.apply import plan_conversion
+from mpicons.adaptation.rules import choose_rules, parse_rules, target_names
 from mpicons.comm import SingleProcess
-from mpicons.core.adapter_rules import choose_rules, parse_rules, target_names
-from mpicons.core.adapting import plan_conversion
 from mpicons.core.errors import InputError
 from mpicons.trainers import trainer
 from mpicons.trainers.torchtitan import TORCHTITAN

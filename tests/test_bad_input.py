@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mpicons.core.errors import InputError
-from mpicons.core.headers import read_table
+from mpicons.formats.shard_headers import read_table
 from mpicons.frontends.cli import main
 from mpicons.testing import build_plan
 

@@ -34,11 +34,11 @@ from mpi4py import MPI
 from safetensors.numpy import save_file
 
 import mpicons
-from mpicons.core.distcp_items import Item, locate
-from mpicons.core.distcp_metadata import read_metadata
 from mpicons.core.errors import InputError
-from mpicons.core.format import DTYPES
-from mpicons.frontends._pickling import Call, Global, Obj, dumps
+from mpicons.core.safetensors_codec import DTYPES
+from mpicons.formats.distcp_items import Item, locate
+from mpicons.formats.distcp_metadata import read_metadata
+from mpicons.formats.pickle_writer import Call, Global, Obj, dumps
 from mpicons.sample import SampleConfig, check_sample, tensor_specs, write_sample
 
 TORCH_SAVE = "dtypes-2ranks"
@@ -701,7 +701,7 @@ def test_a_hostile_data_pkl_is_bounded(tmp_path: Path, data_pkl: bytes, phrase: 
 def test_a_hostile_checkpoint_changes_nothing_for_the_next_one(tmp_path: Path) -> None:
     """In one process: archives that try to set state on every stand-in either unpickler hands out,
     then well-formed checkpoints, which must read as if nothing had come before."""
-    from mpicons.core import distcp_items, distcp_metadata
+    from mpicons.formats import distcp_items, distcp_metadata
 
     hostile = copy_fixture("transposed", tmp_path / "hostile")
     values = struct.pack("<12f", *range(12))
@@ -730,7 +730,7 @@ def test_a_hostile_checkpoint_changes_nothing_for_the_next_one(tmp_path: Path) -
 
 def test_the_opcode_check_passes_what_torch_and_the_sample_write(tmp_path: Path) -> None:
     """Control for the bounds: every pickle of the fixtures and of the sample is read."""
-    from mpicons.core.pickle_scan import check_opcodes
+    from mpicons.formats.pickle_scan import check_opcodes
 
     write_sample(tmp_path / "sample", SampleConfig(layers=1, hidden=16, intermediate=40, vocab=50), distcp="torch_save")
     directories = [DISTCP_FIXTURES / name / "dcp" for name in DISTCP_NAMES] + [tmp_path / "sample"]

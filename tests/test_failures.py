@@ -317,7 +317,7 @@ def test_a_signal_is_acted_on_while_a_pickle_is_being_built():
     not after a large pickle (here 2 s of building) is done."""
     code = (
         "import pickle, signal\n"
-        "from mpicons.core.unpickling import NOTHING, RestrictedUnpickler\n"
+        "from mpicons.formats.unpickling import NOTHING, RestrictedUnpickler\n"
         "data = pickle.dumps({f'layers.{i}.weight': [i, {'dtype': 'bf16'}] for i in range(1_000_000)}, protocol=2)\n"
         "where = []\n"
         "def stop(signum, frame):\n"

@@ -11,9 +11,17 @@ from helpers import SPEC_DTYPE, reference_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpicons.core import headers
 from mpicons.core.errors import InputError
-from mpicons.core.format import DTYPE_BY_NAME, DTYPES, build_header, nbytes_of, parse_header, read_header, reference_order
+from mpicons.core.safetensors_codec import (
+    DTYPE_BY_NAME,
+    DTYPES,
+    build_header,
+    nbytes_of,
+    parse_header,
+    read_header,
+    reference_order,
+)
+from mpicons.formats import shard_headers as headers
 
 WHOLE_BYTE_DTYPES = [d.name for d in DTYPES if d.bits % 8 == 0]
 
@@ -216,7 +224,7 @@ def _reference_accepts(path) -> bool:
 
 def _mpicons_accepts(path) -> bool:
     """Whether both of mpicons' header readers accept the file; they must agree with each other."""
-    from mpicons.core.headers import read_file
+    from mpicons.formats.shard_headers import read_file
 
     verdicts = []
     for read in (lambda: read_header(path), lambda: read_file(str(path), "plain.safetensors")):
@@ -397,7 +405,7 @@ PREFIXES = {
 @pytest.mark.parametrize("case", list(PREFIXES))
 def test_every_reader_refuses_a_bad_length_prefix_alike_and_as_the_reference_reader(tmp_path, case):
     """The strict, the fast and verify's header readers: same verdict as safetensors, same words."""
-    from mpicons.core.headers import read_file
+    from mpicons.formats.shard_headers import read_file
     from mpicons.frontends.output_reading import Unreadable, _read_header
 
     blob, expected = PREFIXES[case]

@@ -87,8 +87,8 @@ def test_a_pickle_of_empty_containers_is_refused_before_it_is_built(tmp_path: Pa
     import tracemalloc
 
     from mpicons.core.errors import InputError
-    from mpicons.core.pickle_scan import BYTES_PER_CONTAINER
-    from mpicons.core.unpickling import NOTHING, RestrictedUnpickler, unpickle
+    from mpicons.formats.pickle_scan import BYTES_PER_CONTAINER
+    from mpicons.formats.unpickling import NOTHING, RestrictedUnpickler, unpickle
 
     bomb = pickle.dumps([set() for _ in range(300_000)], protocol=4)
     assert len(bomb) < 300_000 * 3

@@ -22,14 +22,11 @@ ROOT = Path(__file__).parent.parent
 PACKAGE = ROOT / "mpicons"
 
 #: Package → the packages below it that it may import (and itself). Lowest first; "mpicons" is the top level.
+_ORDER = ["core", "adaptation", "formats", "comm", "io", "trainers", "job", "frontends"]
+_BELOW = {"adaptation": ["core"], "formats": ["core"], "comm": ["core"], "io": ["core", "formats", "comm"]}
 LAYERS: dict[str, set[str]] = {
-    "mpicons.core": set(),
-    "mpicons.comm": {"mpicons.core"},
-    "mpicons.io": {"mpicons.core", "mpicons.comm"},
-    "mpicons.trainers": {"mpicons.core", "mpicons.comm", "mpicons.io"},
-    "mpicons.job": {"mpicons.core", "mpicons.comm", "mpicons.io", "mpicons.trainers"},
-    "mpicons.frontends": {"mpicons.core", "mpicons.comm", "mpicons.io", "mpicons.trainers", "mpicons.job"},
-    "mpicons": {"mpicons.core", "mpicons.comm", "mpicons.io", "mpicons.trainers", "mpicons.job", "mpicons.frontends"},
+    **{f"mpicons.{name}": {f"mpicons.{lower}" for lower in _BELOW.get(name, _ORDER[:i])} for i, name in enumerate(_ORDER)},
+    "mpicons": {f"mpicons.{name}" for name in _ORDER},
 }
 #: The only modules that import mpi4py, and the only ones that import torch.
 MPI_MODULES = {"mpicons.comm.mpi", "mpicons.io.mpiio"}

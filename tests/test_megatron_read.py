@@ -36,8 +36,8 @@ from megatron_cases import (
 
 import mpicons
 from mpicons.comm import SingleProcess
-from mpicons.core.distcp_metadata import read_metadata
 from mpicons.core.errors import InputError
+from mpicons.formats.distcp_metadata import read_metadata
 from mpicons.io.places import LocalPlace
 from mpicons.trainers import recognise
 from mpicons.trainers.megatron.config import FAMILIES, check_config, derive_config

@@ -26,9 +26,9 @@ from helpers import cli
 from test_adapter_rules import OUT_FILE, Box, serialized, write_checkpoint
 
 import mpicons
+from mpicons.adaptation.apply import plan_conversion
+from mpicons.adaptation.rules import RuleSet, parse_rules
 from mpicons.comm import SingleProcess
-from mpicons.core.adapter_rules import RuleSet, parse_rules
-from mpicons.core.adapting import plan_conversion
 
 RULES = Path(__file__).parent.parent / "mpicons" / "trainers" / "megatron" / "rules"
 FIXTURES = Path(__file__).parent / "fixtures" / "megatron"

@@ -19,9 +19,9 @@ import pytest
 from helpers import DISTCP_FIXTURES, FIXTURES, cli, slow_beyond
 
 import mpicons
+from mpicons.adaptation.model_shapes import config_shapes
 from mpicons.comm import SingleProcess
 from mpicons.core.errors import InputError
-from mpicons.core.model_shapes import config_shapes
 
 EDGE = FIXTURES / "edge-3ranks"  # Llama names and shapes, 3 training ranks, tensors cut along dims 0, 1 and 2
 ASSETS = EDGE / "hf-assets"  # its config.json, written by transformers' save_pretrained

@@ -19,9 +19,9 @@ from megatron_cases import expected_dir
 from test_adapter_rules import write_checkpoint
 
 import mpicons
+from mpicons.adaptation.model_shapes import config_shapes, disagreements
 from mpicons.comm import SingleProcess
 from mpicons.core.errors import InputError
-from mpicons.core.model_shapes import config_shapes, disagreements
 
 FIXTURES = Path(__file__).parent / "fixtures"
 ZERO3 = FIXTURES / "deepspeed" / "llama-zero3"

@@ -20,10 +20,10 @@ import safetensors.numpy
 from helpers import FIXTURES, cli, load_tensors, reference_bytes, run_python
 
 import mpicons
+from mpicons.adaptation.hints import recognising_adapters
+from mpicons.adaptation.rule_text import joined
+from mpicons.adaptation.rules import may_read
 from mpicons.comm import SingleProcess
-from mpicons.core.adapter_hints import recognising_adapters
-from mpicons.core.adapter_rules import may_read
-from mpicons.core.rule_text import joined
 from mpicons.sample import SampleConfig, full_tensor, tensor_specs, write_sample
 from mpicons.trainers import TRAINERS, known_rule_sets, rule_sets_reading
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpicons.core.errors import InputError
-from mpicons.core.format import DTYPE_ORDER
 from mpicons.core.mapping import parse_mapping
+from mpicons.core.safetensors_codec import DTYPE_ORDER
 from mpicons.core.table import Pieces, Table, shard_files, to_storage_units
 from mpicons.testing import build_plan
 

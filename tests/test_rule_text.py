@@ -16,10 +16,10 @@ from helpers import load_tensors, reference_bytes, run_python
 from megatron_cases import checkpoint, expected_dir, hf_assets
 
 import mpicons
+from mpicons.adaptation.rule_text import expand
+from mpicons.adaptation.rules import Rule, RuleSet, parse_rules
 from mpicons.comm import SingleProcess
-from mpicons.core.adapter_rules import Rule, RuleSet, parse_rules
 from mpicons.core.errors import InputError
-from mpicons.core.rule_text import expand
 from mpicons.trainers import TRAINERS
 
 

@@ -25,11 +25,11 @@ from mpi4py import MPI
 
 import mpicons
 from mpicons.comm.single import SingleProcess
-from mpicons.core.byte_sources import PosixSource
-from mpicons.core.distcp_items import locate_all
-from mpicons.core.distcp_metadata import read_metadata
 from mpicons.core.errors import InputError
-from mpicons.core.headers import HEAD_READ, read_file
+from mpicons.formats.byte_sources import PosixSource
+from mpicons.formats.distcp_items import locate_all
+from mpicons.formats.distcp_metadata import read_metadata
+from mpicons.formats.shard_headers import HEAD_READ, read_file
 from mpicons.frontends.inspection import inspect
 from mpicons.job.scan import open_sources, scan
 from mpicons.sample import SampleConfig, write_sample

@@ -27,7 +27,7 @@ def test_the_distcp_sample_is_written_one_tensor_at_a_time(tmp_path, serializati
     import math
     import tracemalloc
 
-    from mpicons.core.format import DTYPE_BY_NAME
+    from mpicons.core.safetensors_codec import DTYPE_BY_NAME
     from mpicons.sample import tensor_specs, write_sample
 
     config = SampleConfig.sized(int(60e6), layers=12)

@@ -20,8 +20,8 @@ from safetensors.numpy import load_file
 
 import mpicons
 from mpicons.comm import SingleProcess
-from mpicons.core.distcp_metadata import read_metadata
-from mpicons.core.format import DTYPE_BY_NAME
+from mpicons.core.safetensors_codec import DTYPE_BY_NAME
+from mpicons.formats.distcp_metadata import read_metadata
 from mpicons.frontends.sample import hf_config, torchtitan_to_hf
 from mpicons.sample import SampleConfig, check_sample, full_tensor, tensor_specs, write_sample
 

@@ -1,4 +1,4 @@
-"""Whole ``torch.save`` archives read without torch (mpicons.core.torch_archive).
+"""Whole ``torch.save`` archives read without torch (mpicons.formats.torch_archive).
 
 The archives are the ones DeepSpeed and verl wrote (tests/fixtures/deepspeed, tests/fixtures/verl);
 every storage's bytes are checked against Python's own zip reader. Then the archives are broken:
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from mpicons.core.byte_sources import PosixSource
 from mpicons.core.errors import InputError
-from mpicons.core.format import DTYPE_BY_NAME
-from mpicons.core.torch_archive import MAX_PICKLE, read_archive
-from mpicons.core.unpickling import AllowList, EnumMember, record_class
+from mpicons.core.safetensors_codec import DTYPE_BY_NAME
+from mpicons.formats.byte_sources import PosixSource
+from mpicons.formats.torch_archive import MAX_PICKLE, read_archive
+from mpicons.formats.unpickling import AllowList, EnumMember, record_class
 from mpicons.trainers.deepspeed import records as deepspeed
 from mpicons.trainers.verl import records as verl
 
@@ -84,8 +84,8 @@ def test_reading_an_archive_reads_its_records_never_its_storages(path: Path) -> 
 def test_reading_imports_neither_torch_nor_the_trainers() -> None:
     code = (
         "import sys\n"
-        "from mpicons.core.byte_sources import PosixSource\n"
-        "from mpicons.core.torch_archive import read_archive\n"
+        "from mpicons.formats.byte_sources import PosixSource\n"
+        "from mpicons.formats.torch_archive import read_archive\n"
         "from mpicons.trainers.deepspeed.records import ALLOWED as D\n"
         "from mpicons.trainers.verl.records import ALLOWED as V\n"
         f"for p in {[str(p) for p in DEEPSPEED + VERL]!r}:\n"

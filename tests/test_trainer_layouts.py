@@ -22,10 +22,10 @@ import pytest
 from helpers import load_tensors
 from trainer_saves import write_verl, write_zero
 
-from mpicons.core.byte_sources import PosixSource
 from mpicons.core.errors import InputError
 from mpicons.core.flat_pieces import TrainerLayout, as_pieces
-from mpicons.core.format import DTYPE_BY_NAME, DTYPES
+from mpicons.core.safetensors_codec import DTYPE_BY_NAME, DTYPES
+from mpicons.formats.byte_sources import PosixSource
 from mpicons.trainers.accelerate import fsdp as accelerate
 from mpicons.trainers.deepspeed import files as zero_files
 from mpicons.trainers.deepspeed.layout import zero_layout

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from mpicons.core.layout import Layout, OutputFile, Tensor, WorkItem
 from mpicons.core.split import split_by_bytes, split_by_files
-from mpicons.core.upload_parts import MAX_PARTS, MIN_PART, align_work, check_plan, part_size_for, plan_uploads
+from mpicons.io.s3_upload_plan import MAX_PARTS, MIN_PART, align_work, check_plan, part_size_for, plan_uploads
 
 MiB = 1 << 20
 

@@ -19,8 +19,8 @@ from helpers import FIXTURE_NAMES, FIXTURES, cli, reference_bytes
 from mpi4py import MPI
 
 import mpicons
-from mpicons.core.format import DTYPE_BY_NAME, read_header
 from mpicons.core.reports import KINDS
+from mpicons.core.safetensors_codec import DTYPE_BY_NAME, read_header
 from mpicons.frontends.verification import VerifyReport, verify
 
 HERE = Path(__file__).parent

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpicons.frontends._pickling import Call, Global, Obj, PersistentId, dumps
+from mpicons.formats.pickle_writer import Call, Global, Obj, PersistentId, dumps
 
 _STORAGE = {np.dtype("float32"): "FloatStorage", np.dtype("float16"): "HalfStorage", np.dtype("int64"): "LongStorage"}
 _REBUILD = Global("torch._utils", "_rebuild_tensor_v2")

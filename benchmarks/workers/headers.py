@@ -18,8 +18,8 @@ def write_headers(directory: Path, training_ranks: int, tensors: int, outputs: i
     from mpi4py import MPI
 
     sys.path.insert(0, str(REPO))
-    from mpicons.core.format import build_header
     from mpicons.core.names import shard_file_name
+    from mpicons.core.safetensors_codec import build_header
 
     comm = MPI.COMM_WORLD
     directory.mkdir(parents=True, exist_ok=True)

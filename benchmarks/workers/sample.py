@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from mpi4py import MPI
 
-from mpicons.core.format import DTYPE_BY_NAME
+from mpicons.core.safetensors_codec import DTYPE_BY_NAME
 from mpicons.sample import SampleConfig, write_sample
 
 

@@ -7,11 +7,14 @@ round correctly from a single rounding, except float64 → bfloat16, which ml_dt
 
 from __future__ import annotations
 
+import fnmatch
+from collections.abc import Sequence
+
 import numpy as np
 
-from .format import DTYPE_BY_NAME
 from .options import DTYPE_TARGETS as TARGETS
 from .options import DTYPES, check_choice
+from .safetensors_codec import DTYPE_BY_NAME
 
 
 def converted_dtype(source: str, target: str | None) -> str:
@@ -66,3 +69,8 @@ def _float64_to_float32_round_to_odd(values: np.ndarray) -> np.ndarray:
     bits = rounded.view(np.uint32)
     bits |= inexact.astype(np.uint32)
     return rounded
+
+
+def keep_dtype_matches(name: str, patterns: Sequence[str]) -> bool:
+    """Whether ``--keep-dtype`` keeps a tensor (by its output name) out of a ``--dtype`` conversion."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)

@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .format import DTYPE_BY_NAME
 from .layout import Layout, Tensor, WorkItem
 from .parts import Part
 from .problems import Hole, Problems
 from .reports import Problem, count_of
+from .safetensors_codec import DTYPE_BY_NAME
 from .table import Pieces
 
 #: Above this many grid cells a tensor's coverage is checked pairwise instead of on a grid.

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .format import DTYPE_BY_NAME, DTYPE_ORDER
+from .safetensors_codec import DTYPE_BY_NAME, DTYPE_ORDER
 from .table import Pieces
 
 

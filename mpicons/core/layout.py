@@ -19,6 +19,15 @@ OUTPUT_METADATA = {"format": "pt"}
 
 
 @dataclass(frozen=True)
+class View:
+    """How an output tensor's pieces are laid out when that differs from its header: the header's
+    ``shape`` (elements) and ``axes`` (output dim ``k`` is storage dim ``axes[k]``), or None."""
+
+    shape: tuple[int, ...]
+    axes: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class Tensor:
     """A full tensor of the output: where it goes and its byte geometry.
 

@@ -11,7 +11,6 @@ from typing import Any
 
 from .errors import InputError
 from .reports import human_size
-from .upload_parts import DEFAULT_PART_SIZE, MAX_PART, MIN_PART
 
 #: Every choice and default of the job's options, here once: ``Options``, its checks and the command line use them.
 #: The first of each tuple is the default.
@@ -30,6 +29,14 @@ PROGRESS_VARIABLE = "MPICONS_PROGRESS"
 #: Background I/O threads per rank come from the environment, as a job's scripts set them.
 IO_THREADS_VARIABLE = "MPICONS_IO_THREADS"
 DEFAULT_IO_THREADS = 1
+
+#: The smallest part an S3 multipart upload accepts (all parts but the last).
+MIN_PART = 5 << 20
+#: The largest part, and the most parts, of one S3 multipart upload.
+MAX_PART = 5 << 30
+MAX_PARTS = 10_000
+#: Default part size: large enough for throughput, small enough that a few in flight fit any rank's memory.
+DEFAULT_PART_SIZE = 64 << 20
 
 
 def check_choice(value: object, choices: tuple[str, ...], what: str) -> None:

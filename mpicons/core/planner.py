@@ -12,15 +12,14 @@ from dataclasses import replace
 
 import numpy as np
 
-from .adapting import View, keep_dtype_matches
-from .convert import converted_dtype
+from .convert import converted_dtype, keep_dtype_matches
 from .errors import InputError
 from .facts import FACT_KEY, TensorFacts
-from .format import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
-from .layout import OUTPUT_METADATA, Layout, OutputFile, Tensor
+from .layout import OUTPUT_METADATA, Layout, OutputFile, Tensor, View
 from .names import SINGLE_FILE_NAME, output_name
 from .problems import Problems
 from .reports import Problem, count_of
+from .safetensors_codec import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
 from .split import SPLITS, split_work
 from .table import ShardFiles
 

@@ -1,7 +1,7 @@
 """Shard files and their pieces as numpy columns (no MPI here).
 
 A *piece* is one header entry of one shard file: a box of a tensor (``offset``, ``shape``) stored
-contiguously at ``begin``. The scan fills these columns (:mod:`mpicons.core.headers` reads the
+contiguously at ``begin``. The scan fills these columns (:mod:`mpicons.formats.shard_headers` reads the
 headers into them), moves them between ranks as fixed-size records, and re-expresses sub-byte
 dtypes in whole storage units before the plan sees them.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
-from .format import DTYPES
 from .names import MAX_SHARD_NUMBER, parse_shard_name
+from .safetensors_codec import DTYPES
 
 #: Bits per element of each dtype, by index into format.DTYPES.
 DTYPE_BITS = np.array([d.bits for d in DTYPES], dtype=np.int64)

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import IO, Any, NoReturn
 
 from ..core.options import BACKENDS, DEFAULT_BUFFER_SIZE, DEFAULT_PROGRESS_SECONDS, DTYPES, FORMATS, SPLITS, Options
-from ..core.upload_parts import DEFAULT_PART_SIZE
 from ..core.version import __version__
+from ..io.s3_upload_plan import DEFAULT_PART_SIZE
 from ..trainers import adapter_names, derived_model_types
 
 _UNITS = {

@@ -18,10 +18,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from ..adaptation.apply import Conversion
+from ..adaptation.hints import trainer_names_note
 from ..comm import as_communicator
 from ..comm.agreement import agree, agree_arguments, agree_on
-from ..core.adapter_hints import trainer_names_note
-from ..core.adapting import Conversion
 from ..core.completeness import UNCHECKED_HINT, caveat, rank_problem
 from ..core.errors import InputError
 from ..core.facts import TensorFacts
@@ -36,7 +36,7 @@ from ..core.reports import count_of as _count
 from ..core.split import SPLITS
 from ..core.table import ShardFiles
 from ..io.s3 import is_s3
-from ..job.adaptation import convert_scanned, load_adapter
+from ..job.adapter_setup import convert_scanned, load_adapter
 from ..job.archive_scan import scan_input
 from ..job.consolidation import layout_of, load_mapping, mapping_of
 from ..job.model_check import judge, layout_tensors

@@ -3,7 +3,7 @@
 Only regular files inside the directory are read, with bounded reads: a link (unless links to
 regular files are asked for), a FIFO or a device is reported and never opened. An HDF5 output
 (``model.h5``) is read through h5py, handed the file verify opened. What is read becomes the
-values of :mod:`mpicons.core.checkpoint_checks`, whose checks are pure.
+values of :mod:`mpicons.frontends.verify_checks`, whose checks are pure.
 """
 
 from __future__ import annotations
@@ -16,13 +16,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.checkpoint_checks import FileResult, Listing, file_problem, header_problem, parse_index
 from ..core.errors import InputError, WriteError
-from ..core.format import DTYPE_BY_NAME, PREFIX_SIZE, BadPrefix, Header, HeaderError, header_length, nbytes_of, parse_header
 from ..core.layout import OUTPUT_METADATA
 from ..core.names import DATA_SUFFIX, DCP_SHARD_NAME, INDEX_NAME, METADATA_NAME, SINGLE_FILE_NAME
 from ..core.reports import Problem
 from ..core.reports import count_of as _count
+from ..core.safetensors_codec import (
+    DTYPE_BY_NAME,
+    PREFIX_SIZE,
+    BadPrefix,
+    Header,
+    HeaderError,
+    header_length,
+    nbytes_of,
+    parse_header,
+)
 from ..io import regular_files
 from ..io.hdf5 import HDF5_NAME, dataset_path, storage_dtype
 from ..io.journal import STAGING_PREFIX
@@ -30,8 +38,9 @@ from ..io.lock import LOCK_NAME, read_lock
 from ..io.regular_files import read_at, read_bounded
 from ..io.s3 import is_s3
 from ..io.sources import SourceFiles
-from ..job.adaptation import checkpoint_at
+from ..job.adapter_setup import checkpoint_at
 from ..trainers import TRAINERS
+from .verify_checks import FileResult, Listing, file_problem, header_problem, parse_index
 
 #: An index larger than this is refused unread (one for a million tensors is far smaller).
 MAX_INDEX_SIZE = 100_000_000

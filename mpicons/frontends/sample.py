@@ -26,8 +26,8 @@ import numpy as np
 
 from ..comm import as_communicator
 from ..comm.agreement import agree, agree_on
-from ..core.format import DTYPE_BY_NAME, DTYPE_ORDER, build_header
 from ..core.names import INDEX_NAME, METADATA_NAME, SINGLE_FILE_NAME, shard_file_name
+from ..core.safetensors_codec import DTYPE_BY_NAME, DTYPE_ORDER, build_header
 from .sample_distcp import metadata_pickle, write_distcp_ranks
 from .sample_model import TORCHTITAN_NON_MODEL, Box, ItemIndex, SampleConfig, full_tensor, placements_of, tensor_specs
 
@@ -300,7 +300,7 @@ def check_sample(
     an adapter's output holds other names and rows, which this does not check: compare it with
     :func:`torchtitan_to_hf` of the full tensors instead."""
     from ..core.errors import InputError
-    from ..core.format import Header, read_header
+    from ..core.safetensors_codec import Header, read_header
 
     specs = [s for s in tensor_specs(config) if keep is None or keep(s[0], s[1])]
     directory = os.fspath(output_dir)

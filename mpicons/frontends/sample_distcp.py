@@ -15,10 +15,10 @@ from typing import Any
 
 import numpy as np
 
-from ..core.distcp_items import STORAGE_DTYPES
-from ..core.format import DTYPE_BY_NAME, DTYPE_ORDER, build_header
-from ..core.headers import SHARDING_KEY
-from ._pickling import Call, Global, Obj, PersistentId, dumps
+from ..core.safetensors_codec import DTYPE_BY_NAME, DTYPE_ORDER, build_header
+from ..formats.distcp_items import STORAGE_DTYPES
+from ..formats.pickle_writer import Call, Global, Obj, PersistentId, dumps
+from ..formats.shard_headers import SHARDING_KEY
 from .sample_model import ItemIndex, SampleConfig, Spec, full_tensor, non_tensor_entry, placements_of, tensor_specs
 
 METADATA_MODULE = "torch.distributed.checkpoint.metadata"

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ._pickling import Call, Global, Obj, dumps
+from ..formats.pickle_writer import Call, Global, Obj, dumps
 from .sample_distcp import METADATA_MODULE, tensor_pickle, torch_archive, torch_size
 from .sample_model import ItemIndex, SampleConfig, full_tensor
 

@@ -13,8 +13,8 @@ from typing import Any
 import ml_dtypes  # noqa: F401 - registers bfloat16 / float8 with numpy
 import numpy as np
 
-from ..core.format import DTYPE_BY_NAME
 from ..core.names import output_name
+from ..core.safetensors_codec import DTYPE_BY_NAME
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, shape)
 #: (tensor name, chunk offsets; None for a non-tensor entry) → (data file, item offset, item length, chunk size)

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from ..comm import SingleProcess
 from ..comm.torch_group import TorchComm
 from ..core.errors import InputError
-from ..core.headers import list_shards, read_file
 from ..core.options import Options
+from ..formats.shard_headers import list_shards, read_file
 
 #: The module holding torch's functions (torch 2.8 and later).
 TORCH_MODULE = "torch.distributed.checkpoint._consolidate_hf_safetensors"

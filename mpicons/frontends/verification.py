@@ -6,7 +6,7 @@ of tensor rows with the shards, block by block. Every problem is collected rathe
 one raised, so one run tells the whole story, and every rank returns the same report.
 
 What is read, and how (only regular files, bounded), is :mod:`.output_reading`; what is wrong
-with it is decided by the pure checks of :mod:`mpicons.core.checkpoint_checks`. Here: the value
+with it is decided by the pure checks of :mod:`mpicons.frontends.verify_checks`. Here: the value
 comparison over the communicator, and the job.
 """
 
@@ -21,7 +21,6 @@ import numpy as np
 from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on
 from ..core.blocks import Block, Segment, block_budget, segment_bytes, segment_offset
-from ..core.checkpoint_checks import Diff, FileResult, Listing, Located, VerifyReport, against_checks, cross_check, diff_problems
 from ..core.completeness import caveat, rank_problem
 from ..core.errors import InputError
 from ..core.layout import Layout
@@ -33,7 +32,7 @@ from ..core.runs import check_saved_views
 from ..io.hdf5 import HDF5_NAME
 from ..io.s3 import is_s3
 from ..io.sources import SourceFiles
-from ..job.adaptation import convert_scanned, load_adapter
+from ..job.adapter_setup import convert_scanned, load_adapter
 from ..job.archive_scan import scan_input
 from ..job.consolidation import check_buffer_fits
 from ..job.exchange import feed_blocks
@@ -42,6 +41,7 @@ from ..job.scan import Scanned, open_sources
 from ..job.shares import distribute
 from ..trainers import known_rule_sets
 from .output_reading import MAX_INDEX_SIZE, OutputFiles, check_file, list_output, open_regular
+from .verify_checks import Diff, FileResult, Listing, Located, VerifyReport, against_checks, cross_check, diff_problems
 
 
 class _Checker:

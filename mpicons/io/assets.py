@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.errors import InputError, WriteError
-from ..core.format import DTYPE_BY_NAME
 from ..core.mapping import parse_mapping
 from ..core.names import CHECKPOINT_FILE, INDEX_NAME, SHARD_FILE
 from ..core.options import DTYPE_TARGETS
+from ..core.safetensors_codec import DTYPE_BY_NAME
 from .journal import describe_names
 from .regular_files import NotRegular, kind_of, open_regular, read_bounded
 from .s3 import is_s3

@@ -15,8 +15,8 @@ from dataclasses import replace
 import numpy as np
 
 from ..core.errors import InputError, WriteError
-from ..core.format import DTYPE_BY_NAME
 from ..core.layout import Layout, OutputFile
+from ..core.safetensors_codec import DTYPE_BY_NAME
 
 HDF5_NAME = "model.h5"
 _RAW = {8: np.uint8, 16: np.uint16}

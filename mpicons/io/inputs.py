@@ -1,7 +1,7 @@
 """Where the checkpoint is read from: a directory or an ``s3://bucket/prefix`` (no MPI here).
 
 An :class:`InputStore` lists the input files of one location, opens one as a
-:class:`~mpicons.core.byte_sources.ByteSource` for the header readers, and gives the engine its
+:class:`~mpicons.formats.byte_sources.ByteSource` for the header readers, and gives the engine its
 source files (:class:`~mpicons.io.sources.SourceFiles`: ``read_into`` / ``path`` / ``close``). The
 scan and the writers ask the store, never the filesystem, so an object store is one more store
 (:mod:`mpicons.io.s3_sources`, imported only for an ``s3://`` location).
@@ -15,10 +15,10 @@ import re
 from collections.abc import Sequence
 from typing import Protocol
 
-from ..core.byte_sources import ByteSource, PosixSource
 from ..core.errors import InputError
-from ..core.headers import INPUT_SUFFIXES, list_shards
 from ..core.names import METADATA_NAME
+from ..formats.byte_sources import ByteSource, PosixSource
+from ..formats.shard_headers import INPUT_SUFFIXES, list_shards
 from .s3 import is_s3
 from .sources import SourceFiles
 

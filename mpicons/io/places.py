@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 from typing import Protocol
 
-from ..core.byte_sources import ByteSource, PosixSource
 from ..core.errors import InputError
+from ..formats.byte_sources import ByteSource, PosixSource
 from .regular_files import NotRegular, kind_of, open_regular, read_bounded
 
 #: The largest small file of a checkpoint read (a tracker, a config).

@@ -1,5 +1,5 @@
 """The ``s3`` output backend: every output file is one multipart upload, each rank uploading the parts
-it writes (:mod:`mpicons.core.upload_parts` plans them).
+it writes (:mod:`mpicons.io.s3_upload_plan` plans them).
 
 A rank fills a part's buffer as the writer hands it blocks and uploads the part on a background
 thread as soon as its last byte is in; at most ``in_flight`` uploads run at once, so a rank holds at
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from ..core.errors import WriteError
-from ..core.upload_parts import UploadPart, UploadPlan
+from .s3_upload_plan import UploadPart, UploadPlan
 
 if TYPE_CHECKING:
     from .s3 import S3Client

@@ -12,16 +12,16 @@ from __future__ import annotations
 import builtins
 from collections.abc import Sequence
 
-from ..core.byte_sources import ByteSource
 from ..core.errors import InputError
-from ..core.headers import input_files
+from ..formats.byte_sources import ByteSource
+from ..formats.shard_headers import input_files
 from .places import SMALL_FILE
 from .s3 import S3Client, S3Location
 from .sources import SourceFiles
 
 
 class S3Object:
-    """One object as a :class:`~mpicons.core.byte_sources.ByteSource`: ``read_at`` is a ranged GET."""
+    """One object as a :class:`~mpicons.formats.byte_sources.ByteSource`: ``read_at`` is a ranged GET."""
 
     def __init__(self, client: S3Client, key_name: str, size: int) -> None:
         self.client, self.key_name, self.size = client, key_name, size

@@ -15,9 +15,9 @@ import numpy as np
 from ..comm.agreement import Comm, agree, agree_on
 from ..core.facts import piece_destinations
 from ..core.flat_pieces import TrainerLayout, as_pieces
-from ..core.format import DTYPE_ORDER
+from ..core.safetensors_codec import DTYPE_ORDER
 from ..core.table import shard_files, to_storage_units
-from ..core.unpickling import NOTHING, AllowList
+from ..formats.unpickling import NOTHING, AllowList
 from ..io.inputs import InputStore
 from ..trainers.base import ArchiveFormat
 from .scan import Scanned, open_store, reduce_facts, release_memory, scan

@@ -9,10 +9,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
+from ..adaptation.hints import trainer_names_note
 from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on, wait_for_all
 from ..comm.interrupts import deferred, forget_pending, raise_pending, raising_inside
-from ..core.adapter_hints import trainer_names_note
 from ..core.blocks import block_budget
 from ..core.completeness import rank_problem
 from ..core.convert import prepare_conversion
@@ -27,8 +27,7 @@ from ..core.parts import Part
 from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
 from ..core.problems import Problems
 from ..core.runs import check_saved_views
-from ..core.unpickling import NOTHING
-from ..core.upload_parts import MIN_PART, align_work
+from ..formats.unpickling import NOTHING
 from ..io.backends import open_output
 from ..io.formats import OutputFormat, output_format
 from ..io.inputs import InputStore
@@ -36,9 +35,10 @@ from ..io.outdir import OutputDir, directory_identity, identities_up
 from ..io.outputs import OutputBackend
 from ..io.s3 import S3Location, is_s3
 from ..io.s3_output import IN_FLIGHT
+from ..io.s3_upload_plan import MIN_PART, align_work
 from ..io.sources import SourceFiles
 from ..trainers import rule_sets_reading
-from .adaptation import Adapter, assets_mapping, convert_scanned, load_adapter, plan_scanned, refuse_checkpoint_output
+from .adapter_setup import Adapter, assets_mapping, convert_scanned, load_adapter, plan_scanned, refuse_checkpoint_output
 from .archive_scan import scan_input
 from .dropped import dropped_warnings
 from .exchange import ExchangeWriter
@@ -235,7 +235,7 @@ def layout_of(
     Inputs that name no output files (``.distcp``) are sharded like Hugging Face's ``save_pretrained``
     (5GB files in the order the tensors were saved) unless a mapping or a shard size is given.
     ``min_part``: the smallest stretch of a file one rank may write (an object store's part), see
-    :func:`~mpicons.core.upload_parts.align_work`.
+    :func:`~mpicons.io.s3_upload_plan.align_work`.
     """
     max_shard_size = options.max_shard_size
     if max_shard_size is None and mapping is None and scanned.files.source_format in NAMES_NO_OUTPUT:

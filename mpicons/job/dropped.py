@@ -18,17 +18,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..adaptation.apply import Conversion, Dropped
 from ..comm.agreement import Comm, agree
-from ..core.adapting import Conversion, Dropped
 from ..core.blocks import Block, block_budget, segment_bytes, segment_offset
 from ..core.errors import InputError
 from ..core.facts import FACT_KEY
-from ..core.format import DTYPE_BY_NAME, DTYPES
 from ..core.layout import Layout, WorkItem
 from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
 from ..core.problems import Problems
 from ..core.reports import count_of
 from ..core.runs import check_saved_views
+from ..core.safetensors_codec import DTYPE_BY_NAME, DTYPES
 from .exchange import feed_blocks
 from .scan import Scanned, open_sources
 from .shares import distribute, only

@@ -6,7 +6,7 @@ beside the input: in its directory or the directory above), every output tensor 
 has must have the model's shape.
 
 The shapes come from two places. The config fields of a known architecture
-(:func:`~mpicons.core.model_shapes.config_shapes`: pure, instant, and the same names and shapes as
+(:func:`~mpicons.adaptation.model_shapes.config_shapes`: pure, instant, and the same names and shapes as
 transformers' own models, which the tests check) decide first. transformers decides when the fields
 do not know the architecture, or when a tensor differs from them: the model the config's
 ``architectures`` names, built on torch's meta device (no memory, no weights read) in a child process
@@ -28,10 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..comm.agreement import Comm, agree, agree_on
-from ..core.errors import InputError, MpiconsError
-from ..core.layout import Layout
-from ..core.model_shapes import (
+from ..adaptation.model_shapes import (
     Disagreement,
     Mismatch,
     Shapes,
@@ -41,6 +38,9 @@ from ..core.model_shapes import (
     mismatches,
     stop_message,
 )
+from ..comm.agreement import Comm, agree, agree_on
+from ..core.errors import InputError, MpiconsError
+from ..core.layout import Layout
 from ..core.reports import Problem, count_of
 from ..io.s3 import is_s3
 from .scan import rank_directory

@@ -15,11 +15,11 @@ from ..comm.interrupts import deferred, forget_pending, raise_pending
 from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
 from ..core.options import DTYPE_TARGETS, Options
-from ..core.upload_parts import check_plan, plan_uploads
 from ..io.formats import output_format
 from ..io.s3 import S3Client, S3Location
 from ..io.s3_destination import S3Destination
 from ..io.s3_output import S3Output
+from ..io.s3_upload_plan import check_plan, plan_uploads
 
 if TYPE_CHECKING:
     from ..io.assets import HFAssets

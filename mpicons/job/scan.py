@@ -20,19 +20,19 @@ from typing import Any
 
 import numpy as np
 
+from ..adaptation.apply import Conversion
 from ..comm.agreement import Comm, agree, agree_on
-from ..core.adapting import Conversion
-from ..core.distcp_items import Item, locate_all
-from ..core.distcp_metadata import DistcpTable, read_metadata
 from ..core.errors import InputError
 from ..core.facts import TensorFacts, local_facts, local_odd, piece_destinations, set_odd
-from ..core.format import DTYPES
-from ..core.headers import list_shards, read_headers, relabel
 from ..core.machine import host_name
 from ..core.names import DATA_SUFFIX, METADATA_NAME, nested_hint
 from ..core.reports import count_of
+from ..core.safetensors_codec import DTYPES
 from ..core.table import Pieces, ShardFiles, dense_strides, shard_files, to_storage_units
-from ..core.unpickling import NOTHING, AllowList
+from ..formats.distcp_items import Item, locate_all
+from ..formats.distcp_metadata import DistcpTable, read_metadata
+from ..formats.shard_headers import list_shards, read_headers, relabel
+from ..formats.unpickling import NOTHING, AllowList
 from ..io.inputs import InputStore, PosixInputs, open_inputs, rank_directory
 from ..io.journal import describe_names
 from ..io.s3 import is_s3

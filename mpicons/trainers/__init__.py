@@ -14,8 +14,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 
-from ..core.adapter_rules import RuleSet, may_read
-from ..core.rule_text import RuleLine, joined
+from ..adaptation.rule_text import RuleLine, joined
+from ..adaptation.rules import RuleSet, may_read
 from ..io.places import Place
 from .accelerate import ACCELERATE
 from .base import ArchiveFormat, Found, Settled, Trainer, parsed_rules
@@ -57,7 +57,7 @@ def derived_model_types() -> list[str]:
 @functools.cache
 def known_rule_sets() -> tuple[tuple[str, RuleSet], ...]:
     """Every trainer's built-in rule sets, each with its ``--adapter`` name: what the hints about names ask
-    (:mod:`mpicons.core.adapter_hints`). Parsed once per process."""
+    (:mod:`mpicons.adaptation.hints`). Parsed once per process."""
     return tuple((name, rules) for name, known in TRAINERS.items() for rules in known.rule_sets())
 
 

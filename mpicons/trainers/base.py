@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from ..core.adapter_rules import RuleSet, parse_lines
-from ..core.byte_sources import ByteSource
+from ..adaptation.rule_text import RuleLine, expand
+from ..adaptation.rules import RuleSet, parse_lines
 from ..core.errors import InputError
 from ..core.flat_pieces import TrainerLayout
-from ..core.rule_text import RuleLine, expand
-from ..core.unpickling import NOTHING, AllowList
+from ..formats.byte_sources import ByteSource
+from ..formats.unpickling import NOTHING, AllowList
 from ..io.places import LocalPlace, Place
 
 if TYPE_CHECKING:

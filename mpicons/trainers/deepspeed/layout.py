@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 from ...core.errors import InputError
 from ...core.flat_pieces import FlatBuffer, FlatPiece, Param, Run, TrainerLayout
-from ...core.format import DTYPE_BY_NAME
 from ...core.reports import count_of, human_bytes
+from ...core.safetensors_codec import DTYPE_BY_NAME
 from .files import ZeroFiles
 from .records import Stored, ZeroModel, ZeroPartition
 

@@ -1,6 +1,6 @@
 """What a DeepSpeed ZeRO checkpoint's archives say, read without torch or DeepSpeed (no MPI here).
 
-Each file is a ``torch.save`` archive read by :func:`~mpicons.core.torch_archive.read_archive` with
+Each file is a ``torch.save`` archive read by :func:`~mpicons.formats.torch_archive.read_archive` with
 the few DeepSpeed classes its pickle names allowed as inert records. A reader keeps only what the
 layout needs, small enough to send to every rank: the model states' parameter order and shapes,
 tied names, frozen parameters and buffers; the optimizer states' flat fp32 master buffers (where
@@ -13,10 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from ...core.byte_sources import ByteSource
 from ...core.errors import InputError
-from ...core.format import DTYPE_BY_NAME, MAX_DIM
-from ...core.torch_archive import (
+from ...core.safetensors_codec import DTYPE_BY_NAME, MAX_DIM
+from ...formats.byte_sources import ByteSource
+from ...formats.torch_archive import (
     REBUILD_FROM_TYPE,
     REBUILD_PARAMETER,
     ArchiveTensor,
@@ -25,7 +25,7 @@ from ...core.torch_archive import (
     is_row_major,
     read_archive,
 )
-from ...core.unpickling import AllowList, EnumMember, shown
+from ...formats.unpickling import AllowList, EnumMember, shown
 
 #: The globals DeepSpeed's checkpoint pickles name beside torch's tensor machinery (checked on
 #: DeepSpeed 0.19 with torch 2.13; docs/torch-archive-format.md), each rebuilt as an inert record.

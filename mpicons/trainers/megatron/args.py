@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ...core.errors import InputError
-from ...core.unpickling import EnumMember, shown
+from ...formats.unpickling import EnumMember, shown
 
 
 class Args:

@@ -29,9 +29,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ...adaptation.model_shapes import MAX_EXPERTS, MAX_LAYERS
 from ...core.errors import InputError
-from ...core.model_shapes import MAX_EXPERTS, MAX_LAYERS
-from ...core.unpickling import EnumMember, TorchDType, shown
+from ...formats.unpickling import EnumMember, TorchDType, shown
 from ...io.assets import config_with_dtype
 from . import config_deepseek as deepseek
 from .args import Args

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ...core.errors import InputError
-from ...core.unpickling import shown
+from ...formats.unpickling import shown
 from .args import Args
 
 #: ``DeepseekV3Config``'s own defaults (transformers 5.x: DeepSeek-V3's sizes): what transformers builds

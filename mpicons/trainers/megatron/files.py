@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...core.errors import InputError
-from ...core.torch_archive import archive_value
-from ...core.unpickling import AllowList, Record, shown
+from ...formats.torch_archive import archive_value
+from ...formats.unpickling import AllowList, Record, shown
 from ...io.places import Place
 
 TRACKER = "latest_checkpointed_iteration.txt"

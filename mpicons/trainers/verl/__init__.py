@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from ...core.byte_sources import ByteSource
 from ...core.errors import InputError
 from ...core.flat_pieces import TrainerLayout
+from ...formats.byte_sources import ByteSource
 from ...io.places import Place
 from ..base import ArchiveFormat, Found, Trainer
 from .files import _MODEL, ACTOR, ASSETS, CONFIG, LATEST, check_config, detect

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...core.byte_sources import ByteSource
 from ...core.errors import InputError
-from ...core.torch_archive import (
+from ...formats.byte_sources import ByteSource
+from ...formats.torch_archive import (
     REBUILD_FROM_TYPE,
     REBUILD_WRAPPER,
     ArchiveTensor,
@@ -22,7 +22,7 @@ from ...core.torch_archive import (
     is_row_major,
     read_archive,
 )
-from ...core.unpickling import AllowList, Record, shown
+from ...formats.unpickling import AllowList, Record, shown
 
 _TENSOR = "torch.distributed.tensor"
 DTENSOR = f"{_TENSOR}.DTensor"

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .adapter_hints import KnownRules, adapter_between
-from .convert import TARGETS
-from .format import DTYPE_BY_NAME, HeaderError
-from .layout import Layout
-from .names import INDEX_NAME, plain_file_name
-from .reports import Problem, human_bytes
-from .reports import count_of as _count
+from ..adaptation.hints import KnownRules, adapter_between
+from ..core.convert import TARGETS
+from ..core.layout import Layout
+from ..core.names import INDEX_NAME, plain_file_name
+from ..core.reports import Problem, human_bytes
+from ..core.reports import count_of as _count
+from ..core.safetensors_codec import DTYPE_BY_NAME, HeaderError
 
 
 def file_problem(path: str, tensor: str | None, what: str, *, kind: str) -> Problem:

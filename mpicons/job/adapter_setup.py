@@ -2,7 +2,7 @@
 model's config read once and shared, then the scan's pieces re-expressed as the Hugging Face tensors
 (per tensor, the same on every rank; per piece, numpy).
 
-The conversion itself is pure (:mod:`mpicons.core.adapting`) and knows no trainer: what a trainer's
+The conversion itself is pure (:mod:`mpicons.adaptation.apply`) and knows no trainer: what a trainer's
 leaf (:mod:`mpicons.trainers`) says of the input (the directory to read, the classes its metadata
 may name, a prefix to remove, a derived config) is handed down as parameters. Here are the parts
 that read files (on one rank, the result or the error reaching every rank) and the facts reduced
@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..adaptation.apply import Conversion, convert_pieces, converted_declared, converted_order, converted_width, plan_conversion
+from ..adaptation.rules import RuleSet, choose_rules
 from ..comm.agreement import Comm, agree_on
-from ..core.adapter_rules import RuleSet, choose_rules
-from ..core.adapting import Conversion, convert_pieces, converted_declared, converted_order, converted_width, plan_conversion
 from ..core.errors import InputError
 from ..core.facts import FACT_KEY, piece_destinations
-from ..core.format import DTYPES
 from ..core.options import Options
-from ..core.unpickling import NOTHING, AllowList
+from ..core.safetensors_codec import DTYPES
+from ..formats.unpickling import NOTHING, AllowList
 from ..io.places import LocalPlace, read_small
 from ..io.s3 import is_s3
 from ..trainers import TRAINERS, ArchiveFormat, Found, Settled, Trainer, adapter_names, recognise, trainer

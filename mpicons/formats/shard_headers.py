@@ -18,11 +18,20 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.errors import InputError
+from ..core.names import DATA_SUFFIX, MAX_SHARD_NUMBER, METADATA_NAME, parse_shard_name
+from ..core.safetensors_codec import (
+    DTYPE_BY_NAME,
+    DTYPE_ORDER,
+    MAX_DIM,
+    MAX_NDIM,
+    PREFIX_SIZE,
+    BadPrefix,
+    header_length,
+    parse_header,
+)
+from ..core.table import DTYPE_BITS, Pieces, Table, shard_files, to_storage_units
 from .byte_sources import ByteSource, Opener, opened, posix_opener
-from .errors import InputError
-from .format import DTYPE_BY_NAME, DTYPE_ORDER, MAX_DIM, MAX_NDIM, PREFIX_SIZE, BadPrefix, header_length, parse_header
-from .names import DATA_SUFFIX, MAX_SHARD_NUMBER, METADATA_NAME, parse_shard_name
-from .table import DTYPE_BITS, Pieces, Table, shard_files, to_storage_units
 
 SHARDING_KEY = "DCP_SHARDING_INFO"
 #: The suffixes of the files a checkpoint is made of (besides DCP's ``.metadata``).
@@ -323,7 +332,7 @@ class LocalTable:
 
 def read_headers(directory: str | Opener, names: Sequence[str], file_ids: Sequence[int], holder: int = 0) -> LocalTable:
     """Read the headers of ``names`` (files with global ids ``file_ids`` inside ``directory``, or opened
-    by name with an :data:`~mpicons.core.byte_sources.Opener`), each closed once read."""
+    by name with an :data:`~mpicons.formats.byte_sources.Opener`), each closed once read."""
     open_one = posix_opener(directory) if isinstance(directory, str) else directory
     tensor_names: list[str] = []
     ids: dict[str, int] = {}

@@ -5,11 +5,12 @@ A trainer that pickles more than the format's own classes (Megatron's save plans
 ``argparse.Namespace`` in ``common.pt``) names them in an :class:`AllowList`, by exact module and
 name; they become inert :class:`Record` or :class:`EnumMember` values, nothing of them imported.
 
-Before anything of a pickle runs, :func:`~mpicons.core.pickle_scan.check_opcodes` walks its opcodes
+Before anything of a pickle runs, :func:`~mpicons.formats.pickle_scan.check_opcodes` walks its opcodes
 once and refuses what would make Python's unpickler take memory or time out of proportion to the file
-or crash (see :mod:`mpicons.core.pickle_scan`). While it runs, the stand-in functions spend a :class:`Budget` in proportion to the
-pickle's size. The readers of ``.metadata`` (:mod:`mpicons.core.distcp_metadata`) and of the items'
-``data.pkl`` (:mod:`mpicons.core.distcp_items`) subclass :class:`RestrictedUnpickler`.
+or crash (see :mod:`mpicons.formats.pickle_scan`). While it runs, the stand-in functions spend a
+:class:`Budget` in proportion to the pickle's size. The readers of ``.metadata``
+(:mod:`mpicons.formats.distcp_metadata`) and of the items' ``data.pkl``
+(:mod:`mpicons.formats.distcp_items`) subclass :class:`RestrictedUnpickler`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InputError
-from .format import DTYPES
+from ..core.errors import InputError
+from ..core.safetensors_codec import DTYPES
 from .pickle_scan import Bound, check_opcodes
 
 #: torch dtype attribute names (and the aliases a pickle may use) → safetensors dtype.

@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
+from ..core.errors import InputError
+from ..core.safetensors_codec import DTYPE_BY_NAME, MAX_DIM, MAX_HEADER_SIZE, MAX_NDIM, parse_header
 from .byte_sources import ByteSource, opened
-from .errors import InputError
-from .format import DTYPE_BY_NAME, MAX_DIM, MAX_HEADER_SIZE, MAX_NDIM, parse_header
-from .headers import SHARDING_KEY
+from .shard_headers import SHARDING_KEY
 from .unpickling import Budget, RestrictedUnpickler, Sealed, TorchDType, shown, unpickle
 from .zip_directory import check_directory, simple_members
 

@@ -20,9 +20,9 @@ from typing import Any, TypeGuard
 
 import numpy as np
 
+from ..core.errors import InputError
+from ..core.safetensors_codec import DTYPE_BY_NAME, DTYPE_ORDER, MAX_DIM, MAX_NDIM
 from .byte_sources import ByteSource, opened
-from .errors import InputError
-from .format import DTYPE_BY_NAME, DTYPE_ORDER, MAX_DIM, MAX_NDIM
 from .unpickling import (
     NOTHING,
     AllowList,

@@ -27,7 +27,7 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from .errors import InputError
+from ..core.errors import InputError
 
 #: ``(name, where) -> (origin, text)``: the file an ``include`` line names (``where``: ``file:line`` of that
 #: line, the file's folder being where a relative name is looked for), read by the caller.
@@ -54,7 +54,7 @@ def expand(text: str, origin: str, include: Resolver | None = None) -> tuple[Rul
 
 
 def joined(lines: tuple[RuleLine, ...]) -> str:
-    """The expanded lines as one text (what :func:`~mpicons.core.adapter_rules.may_read` looks through)."""
+    """The expanded lines as one text (what :func:`~mpicons.adaptation.rules.may_read` looks through)."""
     return "\n".join(line.text for line in lines)
 
 

@@ -12,15 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .layout import Layout, WorkItem
-
-#: The smallest part an S3 multipart upload accepts (all parts but the last).
-MIN_PART = 5 << 20
-#: The largest part, and the most parts, of one S3 multipart upload.
-MAX_PART = 5 << 30
-MAX_PARTS = 10_000
-#: Default part size: large enough for throughput, small enough that a few in flight fit any rank's memory.
-DEFAULT_PART_SIZE = 64 << 20
+from ..core.layout import Layout, WorkItem
+from ..core.options import DEFAULT_PART_SIZE, MAX_PART, MAX_PARTS, MIN_PART
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 A rule file is text, one rule per line (``#`` starts a comment), read and checked whole before any
 work so that a bad rule is one error naming its line. The format is in ``docs/adapter-rules.md``;
 each trainer's built-in rules are written in it (``mpicons/trainers/*/rules/``). Pure: parsing and
-matching only; what the rules do to pieces is :mod:`mpicons.core.adapting`.
+matching only; what the rules do to pieces is :mod:`mpicons.adaptation.apply`.
 
 Lines::
 
@@ -26,7 +26,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .errors import InputError
+from ..core.errors import InputError
 from .rule_text import Defines, Resolver, RuleLine, calls, expand
 
 #: The transforms a rule may name, with their parameters (all integer expressions, but unbind's capture name).
@@ -384,12 +384,12 @@ def may_read(text: str, name: str) -> bool:
 
 def parse_rules(text: str, origin: str, include: Resolver | None = None) -> RuleSet:
     """A rule file's text checked whole: the first bad line is an :class:`InputError` naming ``file:line``.
-    ``include`` reads the files its ``include`` lines name (:mod:`mpicons.core.rule_text`)."""
+    ``include`` reads the files its ``include`` lines name (:mod:`mpicons.adaptation.rule_text`)."""
     return parse_lines(expand(text, origin, include), origin)
 
 
 def parse_lines(lines: tuple[RuleLine, ...], origin: str) -> RuleSet:
-    """Expanded rule lines (:func:`~mpicons.core.rule_text.expand`) checked whole, as :func:`parse_rules`."""
+    """Expanded rule lines (:func:`~mpicons.adaptation.rule_text.expand`) checked whole, as :func:`parse_rules`."""
     rules: list[Rule] = []
     model_types: list[str] = []
     defaults: dict[str, ast.expr] = {}

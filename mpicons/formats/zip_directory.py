@@ -12,7 +12,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterator
 
-from .errors import InputError
+from ..core.errors import InputError
 
 _EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
 _LOCATOR = struct.Struct("<4sLQL")  # ZIP64 end of central directory locator

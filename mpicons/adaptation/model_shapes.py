@@ -15,8 +15,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InputError
-from .reports import Problem, count_of
+from ..core.errors import InputError
+from ..core.reports import Problem, count_of
 
 Shapes = dict[str, tuple[int, ...]]
 

@@ -7,14 +7,14 @@ as plain values by :func:`archive_value`). An archive is a zip whose ``data.pkl`
 structure (dicts, lists, tensors, a few of the trainer's own classes) and whose ``data/<key>``
 members hold the tensors' storages, stored uncompressed. :func:`read_archive` reads the zip's
 central directory and ``data.pkl`` (a few small reads, never the storages), unpickles it with the restricted unpickler of
-:mod:`~mpicons.core.unpickling` (the opcode pre-scan and budgets apply), and hands back the value
+:mod:`~mpicons.formats.unpickling` (the opcode pre-scan and budgets apply), and hands back the value
 built from inert stand-ins only:
 
 - a tensor is an :data:`ArchiveTensor` (storage key, dtype, shape, strides, storage offset);
 - a tensor subclass torch rebuilds through ``_rebuild_wrapper_subclass`` (DTensor) is a
   :class:`SubclassTensor` holding its global dtype, shape and the pickled state (the local tensor);
-- an object of a class the caller's :class:`~mpicons.core.unpickling.AllowList` names is a
-  :class:`~mpicons.core.unpickling.Record` (the class's name, the arguments and the state the pickle
+- an object of a class the caller's :class:`~mpicons.formats.unpickling.AllowList` names is a
+  :class:`~mpicons.formats.unpickling.Record` (the class's name, the arguments and the state the pickle
   gave it), an enum an ``EnumMember``; ``OrderedDict`` is a :class:`StateDict`; ``torch.Size`` a tuple.
 
 Only the names the caller lists (by exact module and name) and torch's tensor machinery are
@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.errors import InputError
+from ..core.safetensors_codec import DTYPE_BY_NAME
 from .byte_sources import ByteSource, opened
 from .distcp_items import (
     Item,
@@ -48,8 +50,6 @@ from .distcp_items import (
     _rebuild_v3,
     _TensorRef,
 )
-from .errors import InputError
-from .format import DTYPE_BY_NAME
 from .unpickling import NOTHING, AllowList, Budget, Record, TorchDType, record_class, shown, unpickle
 from .zip_directory import check_directory, simple_members
 
@@ -279,7 +279,7 @@ class TorchArchive:
 
     @property
     def item(self) -> Item:
-        """The whole file as the archive readers of :mod:`~mpicons.core.distcp_items` see an item."""
+        """The whole file as the archive readers of :mod:`~mpicons.formats.distcp_items` see an item."""
         return Item(self.name, "", (), (), 0, self.records.source.size)
 
     def _member(self, key: str, label: str) -> tuple[str, int, int]:
@@ -432,7 +432,7 @@ def _check_byte_order(
 
 def _zipfile_members(source: ByteSource) -> tuple[dict[str, tuple[int, int, int]], int]:
     """Members and central directory offset of any zip archive, read through :mod:`zipfile` in bounded reads
-    once :func:`~mpicons.core.zip_directory.check_directory` has bounded its entries."""
+    once :func:`~mpicons.formats.zip_directory.check_directory` has bounded its entries."""
     check_directory(source.read_at, source.size, source.name)
     try:
         archive = zipfile.ZipFile(_BoundedWindow(source, 0, source.size))

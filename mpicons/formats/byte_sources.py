@@ -1,7 +1,7 @@
 """Random access to one input file, wherever it is stored (no MPI here).
 
-The header readers (:mod:`~mpicons.core.headers`, :mod:`~mpicons.core.distcp_metadata`,
-:mod:`~mpicons.core.distcp_items`) read through a :class:`ByteSource`, so the same code reads a file
+The header readers (:mod:`~mpicons.formats.shard_headers`, :mod:`~mpicons.formats.distcp_metadata`,
+:mod:`~mpicons.formats.distcp_items`) read through a :class:`ByteSource`, so the same code reads a file
 on a filesystem (:class:`PosixSource`: ``pread``) and an object in a bucket (the S3 source of
 :mod:`mpicons.io.s3_sources`: ranged GETs). Every read costs a system call or a request, so the
 readers ask for few, large ranges: callers pass what they will need at once, never byte by byte.
@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from .errors import InputError
+from ..core.errors import InputError
 
 #: Largest single ``pread`` (Linux moves at most about 2 GiB per call).
 _MAX_PREAD = 1 << 30

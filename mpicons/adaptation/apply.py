@@ -25,27 +25,18 @@ last step's numbers are the outputs' :attr:`Output.index`.
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .adapter_hints import mostly_written_by
-from .adapter_rules import Rule, RuleSet, Transform, target_names
-from .errors import InputError
-from .reports import count_of
-from .table import Pieces
-
-
-@dataclass(frozen=True)
-class View:
-    """How an output tensor's pieces are laid out when that differs from its header: the header's
-    ``shape`` (elements) and ``axes`` (output dim ``k`` is storage dim ``axes[k]``), or None."""
-
-    shape: tuple[int, ...]
-    axes: tuple[int, ...] | None = None
+from ..core.errors import InputError
+from ..core.layout import View
+from ..core.reports import count_of
+from ..core.table import Pieces
+from .hints import mostly_written_by
+from .rules import Rule, RuleSet, Transform, target_names
 
 
 @dataclass(frozen=True)
@@ -474,13 +465,7 @@ def converted_order(conversion: Conversion, order: np.ndarray | None) -> np.ndar
     return result
 
 
-def keep_dtype_matches(name: str, patterns: Sequence[str]) -> bool:
-    """Whether ``--keep-dtype`` keeps a tensor (by its output name) out of a ``--dtype`` conversion."""
-    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
-
-
 __all__ = [
-    "View",
     "Output",
     "Step",
     "Dropped",
@@ -490,5 +475,4 @@ __all__ = [
     "converted_width",
     "converted_declared",
     "converted_order",
-    "keep_dtype_matches",
 ]

@@ -1,6 +1,6 @@
 """The opcode pre-scan of a pickle (no MPI, no I/O): one pass over its opcodes, building nothing,
 that refuses what would make Python's unpickler take memory or time out of proportion to the file,
-or crash, before :mod:`mpicons.core.unpickling` runs any of it.
+or crash, before :mod:`mpicons.formats.unpickling` runs any of it.
 
 Python's unpickler is C code that handles no signal until it returns: whatever it does must be
 bounded before it starts. The bounds are on nesting, containers per byte, memo indices, lengths,

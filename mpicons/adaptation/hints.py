@@ -14,7 +14,7 @@ import functools
 import re
 from collections.abc import Iterable, Sequence
 
-from .adapter_rules import Rule, RuleSet
+from .rules import Rule, RuleSet
 
 #: Built-in rule sets, each with the ``--adapter`` name that chooses it.
 KnownRules = Sequence[tuple[str, RuleSet]]
