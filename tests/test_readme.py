@@ -62,7 +62,8 @@ def test_the_docs_have_the_examples_this_file_runs() -> None:
     blocks = _python_blocks()
     assert len([b for b in blocks if not _uses_torch(b)]) == 1 and len(blocks) == 2
     assert any("mpicons.verify(" in b and "mpicons.inspect(" in b for b in blocks)
-    # Each where its page says it is: README.md holds none (a block there would be one of the two run here).
+    # Each on its own page. README.md holds none: one added there counts among the blocks above, so it
+    # would have to be one of the two examples the tests below run.
     (api,) = _python_blocks(PYTHON_API)
     assert not _uses_torch(api) and "mpicons.verify(" in api and "mpicons.inspect(" in api
     (dropin,) = _python_blocks(TORCH_DROPIN)
