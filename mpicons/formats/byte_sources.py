@@ -9,10 +9,11 @@ readers ask for few, large ranges: callers pass what they will need at once, nev
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..core.errors import InputError
 
@@ -31,6 +32,76 @@ class ByteSource(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class SeekableBytes(io.RawIOBase):
+    """A stretch of bytes as a seekable, read-only file, for the libraries that take files (zipfile,
+    botocore, which rewinds a body when it retries); a subclass says how bytes at a position are copied."""
+
+    def __init__(self, length: int) -> None:
+        super().__init__()
+        self._length, self._position = length, 0
+
+    def __len__(self) -> int:
+        return self._length
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
+        if base + offset < 0:
+            raise OSError("seek before the start of the bytes")
+        self._position = base + offset
+        return self._position
+
+    def readinto(self, buffer: Any) -> int:
+        target = memoryview(buffer).cast("B")
+        count = max(0, min(len(target), self._length - self._position))
+        copied = self._copy(self._position, target[:count]) if count else 0
+        self._position += copied
+        return copied
+
+    def _copy(self, at: int, target: memoryview) -> int:
+        """Copy the bytes at ``at`` into ``target``; how many there were."""
+        raise NotImplementedError
+
+
+class SourceWindow(SeekableBytes):
+    """Bytes ``[start, start + length)`` of a source as a seekable file of their own (for zipfile)."""
+
+    def __init__(self, source: ByteSource, start: int, length: int) -> None:
+        super().__init__(length)
+        self._source, self._start = source, start
+
+    def _copy(self, at: int, target: memoryview) -> int:
+        data = self._source.read_at(self._start + at, len(target))
+        target[: len(data)] = data
+        return len(data)
+
+
+class MemoryBytes(SeekableBytes):
+    """Bytes in memory as a seekable file, without copying them first (botocore takes bytes or a file, not a memoryview)."""
+
+    def __init__(self, view: memoryview) -> None:
+        view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+        super().__init__(len(view))
+        self._view = view
+
+    def _copy(self, at: int, target: memoryview) -> int:
+        target[:] = self._view[at : at + len(target)]
+        return len(target)
+
+    def read(self, size: int | None = -1) -> bytes:
+        end = self._length if size is None or size < 0 else min(self._length, self._position + size)
+        start, self._position = self._position, max(self._position, end)
+        return bytes(self._view[start:end])
 
 
 #: Opens an input by its file name (inside the location a reader was given).
@@ -92,4 +163,4 @@ def posix_opener(directory: str) -> Opener:
     return lambda name: PosixSource(os.path.join(directory, name))
 
 
-__all__ = ["ByteSource", "Opener", "PosixSource", "opened", "posix_opener"]
+__all__ = ["ByteSource", "MemoryBytes", "Opener", "PosixSource", "SeekableBytes", "SourceWindow", "opened", "posix_opener"]

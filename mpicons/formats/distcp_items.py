@@ -13,7 +13,6 @@ The facts this relies on are in docs/distcp-format.md.
 
 from __future__ import annotations
 
-import io
 import json
 import pickle
 import shlex
@@ -27,7 +26,7 @@ import numpy as np
 
 from ..core.errors import InputError
 from ..core.safetensors_codec import DTYPE_BY_NAME, MAX_DIM, MAX_HEADER_SIZE, MAX_NDIM, parse_header
-from .byte_sources import ByteSource, opened
+from .byte_sources import ByteSource, SourceWindow, opened
 from .shard_headers import SHARDING_KEY
 from .unpickling import Budget, RestrictedUnpickler, Sealed, TorchDType, shown, unpickle
 from .zip_directory import check_directory, simple_members
@@ -170,37 +169,6 @@ class TensorUnpickler(RestrictedUnpickler):
         ):
             return _Storage(pid[1].dtype, pid[2], pid[4])
         raise pickle.UnpicklingError(f"persistent id {shown(pid)}")
-
-
-class SourceWindow(io.RawIOBase):
-    """Bytes ``[start, start + length)`` of a source as a seekable file of their own (for zipfile)."""
-
-    def __init__(self, source: ByteSource, start: int, length: int) -> None:
-        super().__init__()
-        self._source, self._start, self._length, self._position = source, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._length}[whence]
-        if base + offset < 0:
-            raise OSError("seek before the start of the item")
-        self._position = base + offset
-        return self._position
-
-    def readinto(self, buffer: Any) -> int:
-        count = max(0, min(len(buffer), self._length - self._position))
-        data = self._source.read_at(self._start + self._position, count) if count else b""
-        buffer[: len(data)] = data
-        self._position += len(data)
-        return len(data)
 
 
 @dataclass(frozen=True)
@@ -529,4 +497,4 @@ def _blob_piece(blob: dict[str, _BlobEntry], where: str, item: Item) -> int:
     return begin
 
 
-__all__ = ["STORAGE_DTYPES", "Item", "ItemProblem", "SourceWindow", "TensorUnpickler", "locate", "locate_all"]
+__all__ = ["STORAGE_DTYPES", "Item", "ItemProblem", "TensorUnpickler", "locate", "locate_all"]

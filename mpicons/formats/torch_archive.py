@@ -37,10 +37,9 @@ import numpy as np
 
 from ..core.errors import InputError
 from ..core.safetensors_codec import DTYPE_BY_NAME
-from .byte_sources import ByteSource, opened
+from .byte_sources import ByteSource, SourceWindow, opened
 from .distcp_items import (
     Item,
-    SourceWindow,
     TensorUnpickler,
     _boundaries,
     _ints,

@@ -17,7 +17,6 @@ import builtins
 import copy
 import hashlib
 import importlib
-import io
 import os
 import re
 import time
@@ -27,6 +26,7 @@ from typing import Any, NoReturn
 
 from ..core.errors import InputError, MpiconsError, WriteError
 from ..core.reports import count_of
+from ..formats.byte_sources import MemoryBytes
 from .s3_retries import (
     DEFAULT_ATTEMPTS,
     PROBE_ATTEMPTS,
@@ -118,45 +118,6 @@ def multipart_etag(etags: Sequence[str]) -> str:
 
 class ObjectExists(WriteError):
     """A conditional create (``If-None-Match: *``) found the object already there."""
-
-
-class _ViewBody(io.RawIOBase):
-    """A part's bytes as a seekable file, without copying the part: botocore takes bytes or a file,
-    not a memoryview, and rewinds the file when it retries."""
-
-    def __init__(self, view: memoryview) -> None:
-        super().__init__()
-        self._view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-        self._position = 0
-
-    def __len__(self) -> int:
-        return len(self._view)
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._position
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: len(self._view)}[whence]
-        self._position = max(0, base + offset)
-        return self._position
-
-    def readinto(self, buffer: Any) -> int:
-        target = memoryview(buffer).cast("B")
-        count = max(0, min(len(target), len(self._view) - self._position))
-        target[:count] = self._view[self._position : self._position + count]
-        self._position += count
-        return count
-
-    def read(self, size: int | None = -1) -> bytes:
-        end = len(self._view) if size is None or size < 0 else min(len(self._view), self._position + size)
-        start, self._position = self._position, max(self._position, end)
-        return bytes(self._view[start:end])
 
 
 def _error_parts(exc: BaseException) -> tuple[str, str, int | None]:
@@ -537,7 +498,7 @@ class S3Client:
 
     def upload_part(self, name: str, upload_id: str, number: int, data: memoryview | bytes) -> str:
         """Upload part ``number`` (1-based) of an open multipart upload, without copying ``data``; its ETag."""
-        body: Any = data if isinstance(data, (bytes, bytearray)) else _ViewBody(data)
+        body: Any = data if isinstance(data, (bytes, bytearray)) else MemoryBytes(data)
         response = self._call(
             f"upload of part {number}",
             name,
