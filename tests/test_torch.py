@@ -35,6 +35,7 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
 import mpicons  # noqa: E402
+import mpicons.job.pipeline  # noqa: E402
 from mpicons.core.errors import InputError, Interrupted  # noqa: E402
 from mpicons.torch import TorchComm, consolidate_safetensors_files_on_every_rank  # noqa: E402
 
@@ -332,7 +333,7 @@ def test_a_keyboard_interrupt_on_one_member_ends_every_member(
         def interrupted(*args: object, **kwargs: object) -> None:
             raise KeyboardInterrupt
 
-        monkeypatch.setattr(mpicons.job.consolidation, "layout_of", interrupted)
+        monkeypatch.setattr(mpicons.job.pipeline, "layout_of", interrupted)
     caught: list[BaseException] = []
     try:
         mpicons.consolidate(FIXTURES / "tp2d-4ranks" / "sharded", shared_tmp / "out", comm=quick)
@@ -359,10 +360,10 @@ def _without_torchrun(env: dict[str, str]) -> dict[str, str]:
 _KILLED_MEMBER = """
 import os, signal, sys
 import torch.distributed as dist
-import mpicons, mpicons.job.consolidation
+import mpicons, mpicons.job.pipeline
 dist.init_process_group("gloo")
 if dist.get_rank() == 2:
-    mpicons.job.consolidation.layout_of = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    mpicons.job.pipeline.layout_of = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 try:
     mpicons.consolidate(sys.argv[1], sys.argv[2], comm=dist.group.WORLD)
 except Exception as exc:

@@ -179,7 +179,8 @@ def _cmd_consolidate(args: argparse.Namespace, comm: Comm) -> int:
 def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
     """Write the sample into a directory the demo owns (:mod:`.demo`), consolidate it and check every tensor."""
     from ..core.reports import count_of, wrapped
-    from ..job.consolidation import check_buffer_fits, check_options, consolidate
+    from ..job.consolidation import consolidate
+    from ..job.pipeline import check_buffer_fits, check_options
     from ..job.progress import report_columns
     from .demo import DemoDirectory
     from .sample import check_sample, sample_file_names, write_sample

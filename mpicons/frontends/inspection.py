@@ -21,8 +21,8 @@ import numpy as np
 from ..adaptation.apply import Conversion
 from ..adaptation.hints import trainer_names_note
 from ..comm import as_communicator
-from ..comm.agreement import agree, agree_arguments, agree_on
-from ..core.completeness import UNCHECKED_HINT, caveat, rank_problem
+from ..comm.agreement import Comm, agree, agree_arguments
+from ..core.completeness import UNCHECKED_HINT, caveat
 from ..core.errors import InputError
 from ..core.facts import TensorFacts
 from ..core.layout import Layout
@@ -36,10 +36,9 @@ from ..core.reports import count_of as _count
 from ..core.split import SPLITS
 from ..core.table import ShardFiles
 from ..io.s3 import is_s3
-from ..job.adapter_setup import convert_scanned, load_adapter
-from ..job.archive_scan import scan_input
-from ..job.consolidation import layout_of, load_mapping, mapping_of
 from ..job.model_check import judge, layout_tensors
+from ..job.pipeline import layout_of, mapping_of, scan_selected, start
+from ..job.scan import Scanned
 from ..job.shares import distribute
 from ..trainers import rule_sets_reading
 
@@ -282,20 +281,11 @@ def inspect(
     if type(ranks) is not int or ranks < 1:
         raise InputError(f"ranks must be a positive integer (got {ranks!r})")
     options.check(comm.size)
-    mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-    adapter = load_adapter(comm, options, input_dir)
+    begun = start(comm, input_dir, options)
+    adapter, problems = begun.adapter, Problems(strict=False)
     # Tensors with pieces the scan cannot read are listed as problems, each of them, not raised.
-    directory = adapter.directory(input_dir)
-    scanned = scan_input(directory, comm, adapter.archives, listing=True, endpoint=options.s3_endpoint, allow=adapter.allow)
-    problems = Problems(strict=False)
-    ranks_problem = None if options.expect_ranks is None else rank_problem(scanned.files, options.expect_ranks, input_dir)
-    if ranks_problem is not None:
-        problems.add(ranks_problem)
-    scanned = adapter.select(scanned, options)
-    saved_names = scanned.names
-    if adapter.rules is not None:
-        scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
-    mapping = mapping_of(options, mapping, scanned, adapter)
+    scanned, saved_names = scan_selected(comm, begun, options, problems=problems)
+    mapping = mapping_of(options, begun.mapping, scanned, adapter)
     position = {name: t for t, name in enumerate(scanned.names)}
     for name in sorted(scanned.unreadable):
         problems.add(Problem(scanned.unreadable[name], name, kind="unreadable"), position[name])
@@ -303,12 +293,7 @@ def inspect(
     verdict = judge(comm, layout_tensors(layout), adapter.model, whole=not (options.include or options.exclude))
     for t, problem in verdict.problems():
         problems.add(problem, t)
-    file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
-    comm.allreduce_array(file_pieces, "sum")
-    part = distribute(comm, scanned, layout, problems)
-    primary = RowOwners.of(layout).primary(part.pieces, comm.rank)
-    kept = np.bincount(part.pieces.tensor[primary], minlength=len(scanned.names)).astype(np.int64)
-    comm.allreduce_array(kept, "sum")
+    file_pieces, kept = _piece_counts(comm, scanned, layout, problems)
     label = None if options.mapping is None or isinstance(options.mapping, Mapping) else os.fspath(options.mapping)
     if label is None and mapping is not None and adapter.assets is not None:
         label = os.path.join(adapter.assets.directory, INDEX_NAME)
@@ -327,7 +312,29 @@ def inspect(
         mapped=mapping is not None,
         skipped=scanned.skipped,
     )
-    report.notes = [*adapter.notes, *scanned.notes, *report.notes]
+    _add_notes(report, adapter.notes, scanned, saved_names, options)
+    report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))
+    if report.caveat is not None and options.expect_ranks is None and verdict.checked(scanned.names) is None:
+        report.notes.append(UNCHECKED_HINT)
+    return report
+
+
+def _piece_counts(comm: Comm, scanned: Scanned, layout: Layout, problems: Problems) -> tuple[np.ndarray, np.ndarray]:
+    """The pieces each shard file holds, and the pieces each tensor's writers would copy (replicas once),
+    summed over the ranks; distributing the pieces checks every rank's rows (problems collected)."""
+    file_pieces = np.bincount(scanned.pieces.file, minlength=len(scanned.files)).astype(np.int64)
+    comm.allreduce_array(file_pieces, "sum")
+    part = distribute(comm, scanned, layout, problems)
+    primary = RowOwners.of(layout).primary(part.pieces, comm.rank)
+    kept = np.bincount(part.pieces.tensor[primary], minlength=len(scanned.names)).astype(np.int64)
+    comm.allreduce_array(kept, "sum")
+    return file_pieces, kept
+
+
+def _add_notes(report: InspectReport, noted: Sequence[str], scanned: Scanned, saved_names: list[str], options: Options) -> None:
+    """What the trainer's leaf and the scan noted, and the adapter's view of the names: its skipped
+    entries and mapping rows, or (without an adapter) the one the names seem to need."""
+    report.notes = [*noted, *scanned.notes, *report.notes]
     if scanned.conversion is not None:
         skipped = [line for line in scanned.conversion.summary() if line.startswith("skipped ")]
         report.notes += [f"adapter: {line}" for line in skipped]  # as consolidate reports them
@@ -335,10 +342,6 @@ def inspect(
         report.mapping_rows = mapping_infos(saved_names, scanned.conversion)
     elif options.adapter is None:
         report.notes += [note for note in [trainer_names_note(scanned.names, rule_sets_reading(scanned.names))] if note]
-    report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))
-    if report.caveat is not None and options.expect_ranks is None and verdict.checked(scanned.names) is None:
-        report.notes.append(UNCHECKED_HINT)
-    return report
 
 
 def _shard_infos(files: ShardFiles, file_pieces: np.ndarray) -> list[ShardInfo]:

@@ -20,23 +20,22 @@ import numpy as np
 
 from ..comm import as_communicator
 from ..comm.agreement import Comm, agree, agree_arguments, agree_on
-from ..core.blocks import Block, Segment, block_budget, segment_bytes, segment_offset
-from ..core.completeness import caveat, rank_problem
+from ..core.blocks import Block, Segment, segment_bytes, segment_offset
+from ..core.completeness import caveat
 from ..core.errors import InputError
 from ..core.layout import Layout
 from ..core.options import Options
 from ..core.parts import Part
 from ..core.planner import build_layout
+from ..core.problems import Problems
 from ..core.reports import Problem
-from ..core.runs import check_saved_views
 from ..io.hdf5 import HDF5_NAME
 from ..io.s3 import is_s3
 from ..io.sources import SourceFiles
-from ..job.adapter_setup import convert_scanned, load_adapter
-from ..job.archive_scan import scan_input
-from ..job.consolidation import check_buffer_fits
+from ..job.adapter_setup import load_adapter
 from ..job.exchange import feed_blocks
 from ..job.model_check import judge, layout_tensors
+from ..job.pipeline import Start, check_buffer_fits, check_views, scan_selected
 from ..job.scan import Scanned, open_sources
 from ..job.shares import distribute
 from ..trainers import known_rule_sets
@@ -255,11 +254,10 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
     """Every tensor of the shards in ``against`` compared with the output; the counts go into ``report``."""
     output_dir, located = checked.output_dir, checked.located
     adapter = load_adapter(comm, options, against)
-    scanned = scan_input(adapter.directory(against), comm, adapter.archives, endpoint=options.s3_endpoint, allow=adapter.allow)
-    ranks_problem = None if options.expect_ranks is None else rank_problem(scanned.files, options.expect_ranks, against)
-    scanned = adapter.select(scanned, options)
-    if adapter.rules is not None:  # the shards' tensors as the adapter made them
-        scanned = convert_scanned(comm, scanned, adapter.rules, adapter.config)
+    found = Problems(strict=False)  # a wrong --expect-ranks; the shards' tensors as the adapter makes them
+    scanned, _ = scan_selected(
+        comm, Start(against, adapter.directory(against), None, adapter), options, problems=found, listing=False
+    )
     views = None if scanned.conversion is None else scanned.conversion.views()
     layout = agree(
         comm,
@@ -274,12 +272,12 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
         ),
     )
     part = distribute(comm, scanned, layout)
-    agree(comm, lambda: check_saved_views(layout, part, block_budget(options.buffer_size, 4)))
+    check_views(comm, layout, part, options)
     comparable, problems = against_checks(
         layout, against, output_dir, checked.listing, checked.results, located, known_rule_sets()
     )
     verdict = judge(comm, layout_tensors(layout), adapter.model, whole=not (options.include or options.exclude))
-    problems += ([] if ranks_problem is None else [ranks_problem]) + [p for _, p in verdict.problems()]
+    problems += found.general + [p for _, p in verdict.problems()]
     report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))
     shares = agree(
         comm,

@@ -1,5 +1,6 @@
-"""Writing a consolidation to ``s3://bucket/prefix``: the prefix held by the owner rank, every output file
-one multipart upload with parts from every rank that writes its bytes, the commit by the owner.
+"""A consolidation's ``s3://bucket/prefix`` output as the driver's target: the prefix held by the owner
+rank, every output file one multipart upload with parts from every rank that writes its bytes, the
+commit by the owner.
 
 Every step is a phase agreed over the communicator, so one rank's failure (or a signal) ends every
 rank, and the owner then aborts every open upload (:meth:`S3Destination.abort`).
@@ -7,19 +8,24 @@ rank, and the owner then aborts every open upload (:meth:`S3Destination.abort`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from ..comm.agreement import Comm, agree, agree_on
+from ..comm.agreement import Comm, agree, agree_on, wait_for_all
 from ..comm.interrupts import deferred, forget_pending, raise_pending
 from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
-from ..core.options import DTYPE_TARGETS, Options
+from ..core.names import INDEX_NAME
+from ..core.options import DTYPE_TARGETS, MIN_PART, Options
+from ..core.parts import Part
 from ..io.formats import output_format
-from ..io.s3 import S3Client, S3Location
+from ..io.s3 import S3Client, S3Location, is_s3
 from ..io.s3_destination import S3Destination
-from ..io.s3_output import S3Output
+from ..io.s3_output import IN_FLIGHT, S3Output
 from ..io.s3_upload_plan import check_plan, plan_uploads
+from .pipeline import Start, check_buffer_fits
+from .scan import Scanned, open_sources
+from .writer import write_share
 
 if TYPE_CHECKING:
     from ..io.assets import HFAssets
@@ -39,13 +45,32 @@ def check_s3_options(options: Options) -> None:
         raise InputError("--gather-to writes on one rank's local disk; an s3:// output is uploaded by every rank: leave it out")
 
 
-class S3Publish:
-    """One run's S3 output, across the phases: the owner's hold on the prefix, the uploads' ids and ETags."""
+def refuse_the_input_as_output(input_dir: str, url: str) -> None:
+    """Bad input: an ``s3://`` output at the very location of the input, or below it (compared as parsed, so
+    ``s3://b//p`` is ``s3://b/p``), as for a directory (:func:`~mpicons.job.directory_target.refuse_output_in_inputs`)."""
+    if not is_s3(input_dir):
+        return
+    source, target = S3Location.parse(input_dir), S3Location.parse(url)
+    if source == target:
+        raise InputError(f"{url}: the output is the input; give another prefix for the consolidated checkpoint")
+    if source.bucket == target.bucket and (not source.prefix or target.prefix.startswith(source.prefix + "/")):
+        raise InputError(
+            f"{url}: the output is inside the input {source.url()}: mpicons never writes among or below the shards it "
+            "reads; give a prefix outside it (the input's parent may be the output)"
+        )
+
+
+class S3Target:
+    """One run's ``s3://`` output as the driver's target, across the phases: the owner's hold on the prefix,
+    the uploads' ids and ETags; every method is collective."""
+
+    min_part = MIN_PART  # every part but a file's last is at least S3's smallest
 
     def __init__(self, comm: Comm, url: str, options: Options, owner: int = 0) -> None:
         self.comm = comm
         self.owner = owner
         self.options = options
+        self.output = url
         self.location = S3Location.parse(url)
         self.client = S3Client(self.location, options.s3_endpoint)
         self.destination: S3Destination | None = None
@@ -53,7 +78,18 @@ class S3Publish:
         self.names: list[str] = []
         self.etags: list[list[str]] = []
 
-    def open(self) -> list[str]:
+    @classmethod
+    def open(cls, comm: Comm, input_dir: str, url: str, options: Options) -> S3Target:
+        """The target, once the options an upload needs are there and the output is not the input."""
+        agree(comm, lambda: check_s3_options(options))
+        agree(comm, lambda: refuse_the_input_as_output(input_dir, url))
+        return agree(comm, lambda: cls(comm, url, options))
+
+    def check(self, begun: Start) -> None:
+        """Before anything is made: the memory for the buffers and the parts in flight."""
+        check_buffer_fits(self.comm, self.options.buffer_size, (IN_FLIGHT + 1) * self.options.s3_part_size)
+
+    def hold(self) -> list[str]:
         """The owner checks access, refuses a prefix of shards and takes the lock; returns its notes."""
 
         def hold() -> list[str]:
@@ -62,8 +98,8 @@ class S3Publish:
 
         return agree_on(self.comm, self.owner, hold)
 
-    def check_names(self, names: list[str]) -> None:
-        """Refuse keys S3 cannot hold and a checkpoint under the prefix that ``--force`` does not allow replacing."""
+    def check_names(self, names: Iterable[str]) -> None:
+        """Refuse keys S3 cannot hold."""
 
         def check_keys() -> None:
             for name in names:
@@ -71,10 +107,29 @@ class S3Publish:
                     raise InputError(f"{self.location.url(name)}: the object key is longer than S3's {MAX_KEY_BYTES} bytes")
 
         agree(self.comm, check_keys)
+
+    def check_layout(self, layout: Layout, assets: HFAssets | None) -> None:
+        """The keys of every object the run publishes, and a checkpoint under the prefix that ``--force``
+        does not allow replacing."""
+        names = [f.name for f in layout.files] + [INDEX_NAME] + ([] if assets is None else list(assets.files))
+        self.check_names(names)
         agree_on(self.comm, self.owner, lambda: self._destination().check_replacing(names, self.options.force))
 
-    def write(self, layout: Layout, write_share: Callable[[OutputBackend], tuple[int, int]]) -> tuple[int, int]:
-        """Create the uploads (owner), upload this rank's parts through ``write_share``, gather the ETags."""
+    def write(
+        self, scanned: Scanned, layout: Layout, part: Part, assets: HFAssets | None
+    ) -> tuple[Layout, int, int, dict[str, str]]:
+        """Create the uploads (owner), upload this rank's parts, gather the ETags; the layout, the bytes
+        this rank wrote and sent, and no MPI-IO hints."""
+        sources = open_sources(scanned)
+        try:
+            written, moved = self._upload(
+                layout, lambda output: write_share(self.comm, scanned, layout, part, sources, output, self.options)
+            )
+        finally:
+            sources.close()
+        return layout, written, moved, {}
+
+    def _upload(self, layout: Layout, write_share: Callable[[OutputBackend], tuple[int, int]]) -> tuple[int, int]:
         plan = plan_uploads(layout, layout.work, self.owner, self.options.s3_part_size)
         agree(self.comm, lambda: check_plan(layout, plan))
         names = self.names = [f.name for f in layout.files]
@@ -98,7 +153,7 @@ class S3Publish:
         assert self.destination is not None, "the owner holds the destination"
         return self.destination
 
-    def commit(self, layout: Layout, assets: HFAssets | None) -> None:
+    def publish(self, layout: Layout, assets: HFAssets | None) -> None:
         """The owner makes the checkpoint visible, index last; signals are held back meanwhile (one that
         arrived before the first visible change stops the run, which then aborts)."""
 
@@ -114,6 +169,16 @@ class S3Publish:
                 forget_pending()
 
         agree_on(self.comm, self.owner, commit)
+
+    def release(self, failure: BaseException | None) -> None:
+        """After a failure every rank agreed on, every rank stops uploading before the owner aborts the
+        uploads; after one this rank alone has, it aborts them itself. Then the lock is let go of."""
+        if failure is not None:
+            agreed = isinstance(failure, MpiconsError)
+            if agreed:
+                wait_for_all(self.comm)
+            self.abort(everywhere=not agreed)
+        self.close()
 
     def abort(self, everywhere: bool = False) -> None:
         """After a failure every rank has agreed on, the owner aborts the open uploads. ``everywhere``: a

@@ -15,12 +15,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from ..comm.agreement import Comm, wait_for_all
+from ..comm.interrupts import deferred, raise_pending, raising_inside
 from ..core.blocks import Direct, Segment, block_budget, blocks, direct_pieces, plan_item
 from ..core.engine import Assembler
 from ..core.layout import Layout
+from ..core.options import Options
 from ..core.parts import Part
 from ..io.outputs import OutputBackend
 from ..io.sources import SourceFiles
+from .exchange import ExchangeWriter
+from .progress import Progress
+from .scan import Scanned
 
 #: Contiguous copies are issued in steps of this size so progress and signals are seen often.
 COPY_CHUNK = 256 << 20
@@ -177,3 +183,50 @@ class Writer:
 
     def _copy_step(self, file: int, src: int, out: int, offset: int, length: int) -> None:
         self.output.copy(self.sources, file, src, out, offset, length, self._bounce_buffer())
+
+
+def write_share(
+    comm: Comm, scanned: Scanned, layout: Layout, part: Part, sources: SourceFiles, output: OutputBackend, options: Options
+) -> tuple[int, int]:
+    """This rank's share of the writing (bytes written, bytes sent); with progress, reports flow to rank 0 meanwhile."""
+    exchanging = not scanned.shared or options.gather_to is not None
+    # Making the channel and the reporter, and their teardown, are a protocol every rank must complete:
+    # a signal stops only the writing itself (the exchange polls for signals between its blocks).
+    with deferred():
+        channel = comm.duplicate() if options.progress or exchanging else comm
+        reporter = Progress(channel, layout.total_bytes, options.progress, verbose=options.verbose) if options.progress else None
+        on_bytes = reporter.add if reporter is not None else None
+        stopped = True  # until the share is done: a signal or an error on the way is no completion
+        try:
+            if not exchanging:
+                with raising_inside():
+                    raise_pending()
+                    written = Writer(
+                        layout, part, sources, output, options.buffer_size, on_bytes, io_threads=options.io_threads
+                    ).run()
+                stopped = False
+                return written, 0
+            writer = ExchangeWriter(
+                layout,
+                part,
+                scanned.files,
+                sources,
+                output,
+                options.buffer_size,
+                channel,
+                on_bytes,
+                # An object store's parts are each one rank's, filled in order: no copies handed to
+                # another rank, none left for the end (a part's buffer would wait for them).
+                delegate=options.gather_to is None and output.any_rank_writes,
+                copies=output.any_rank_writes,
+            )
+            written = writer.run()
+            stopped = False
+            return written, writer.sent
+        finally:
+            # Always report the end, also after a failure, so rank 0 never waits for a report that will not come.
+            if reporter is not None:
+                reporter.finish(stopped)
+            wait_for_all(channel)
+            if channel is not comm:
+                channel.free()

@@ -1,0 +1,217 @@
+"""A consolidation's output directory as the driver's target: checked before anything is made, held
+by one rank (locked, recovered), staged, written by every rank, published as one transaction.
+
+The checks here run before the output directory is touched: the output is no rank's input directory
+nor inside one, its names fit the file system, the buffers fit the node's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import TYPE_CHECKING
+
+from ..comm.agreement import Comm, agree, agree_on, wait_for_all
+from ..comm.interrupts import deferred, forget_pending, raise_pending
+from ..core.errors import InputError, MpiconsError
+from ..core.layout import Layout
+from ..core.machine import check_buffer_size, check_names_fit, check_path_fits, host_name
+from ..core.names import INDEX_NAME
+from ..core.options import DTYPE_TARGETS, Options
+from ..core.parts import Part
+from ..io.backends import open_output
+from ..io.formats import output_format
+from ..io.outdir import OutputDir, directory_identity, identities_up
+from ..io.outputs import OutputBackend
+from ..io.sources import SourceFiles
+from .adapter_setup import refuse_checkpoint_output
+from .pipeline import Start
+from .scan import Scanned, open_sources, rank_directory
+from .writer import write_share
+
+if TYPE_CHECKING:
+    from ..io.assets import HFAssets
+
+log = logging.getLogger("mpicons")
+
+
+class DirectoryTarget:
+    """The output directory of one run; every method is collective (the owner rank holds the directory)."""
+
+    min_part = 0  # any rank may write any stretch of a file
+
+    def __init__(self, comm: Comm, output_dir: str, options: Options, inside_input: bool = False) -> None:
+        self.comm, self.output, self.options, self.inside_input = comm, output_dir, options, inside_input
+        self.owner = options.gather_to if options.gather_to is not None else 0
+        self.held: OutputDir | None = None  # on the owner, once held
+
+    def check(self, begun: Start) -> None:
+        """Before anything is made: the output is no trainer's checkpoint nor the input, its names fit,
+        the machine has the memory."""
+        agree_on(self.comm, 0, lambda: refuse_checkpoint_output(self.output, begun.input_dir, self.inside_input))
+        self.check_names(mapped_names(begun.mapping))
+        check_machine(self.comm, begun.directory, self.output, self.options.buffer_size, self.inside_input)
+
+    def hold(self) -> list[str]:
+        """The owner takes the directory (made if needed, locked, what a crashed run left recovered); its notes."""
+
+        def open_directory() -> list[str]:
+            self.held = OutputDir.open(self.output, self.options.break_lock)
+            return self.held.notes
+
+        notes = agree_on(self.comm, self.owner, open_directory)
+        if self.comm.rank == 0:
+            for note in notes:
+                log.info("%s: %s", self.output, note)
+        return notes
+
+    def check_names(self, names: dict[str, str]) -> None:
+        check_output_names(self.comm, self.owner, self.output, names)
+
+    def check_layout(self, layout: Layout, assets: HFAssets | None) -> None:
+        self.check_names(layout_names(layout, self.options))
+
+    def write(
+        self, scanned: Scanned, layout: Layout, part: Part, assets: HFAssets | None
+    ) -> tuple[Layout, int, int, dict[str, str]]:
+        """Stage every output in the owner's private directory and fill it; returns the (re-targeted) layout,
+        the bytes this rank wrote and sent, and the MPI-IO hints in effect."""
+        comm, options = self.comm, self.options
+        fmt = output_format(options.output_format)
+        layout = fmt.target(layout)
+        names = fmt.final_names(layout) + ([] if assets is None else list(assets.files))
+
+        def stage() -> str:
+            session = self._held()
+            session.aside = session.replaced_entries(names, options.force, checkpoint=fmt.checkpoint)
+            return session.stage()
+
+        staging = agree_on(comm, self.owner, stage)
+        if fmt.preallocated:
+            layout = agree_on(comm, self.owner, lambda: fmt.lay_out(staging, layout))
+        paths = [os.path.join(staging, f.name) for f in layout.files]
+        output = agree(
+            comm,
+            lambda: open_output(
+                options.io, comm, paths, [f.header for f in layout.files], [f.size for f in layout.files], options.hints,
+                preallocated=fmt.preallocated, owner=self.owner, durable=options.sync,
+            ),
+        )  # fmt: skip
+        sources = open_sources(scanned)
+        try:
+            agree(comm, output.create)
+            written, moved = agree(comm, lambda: write_share(comm, scanned, layout, part, sources, output, options))
+            agree(comm, output.sync)
+            return layout, written, moved, output.hints_in_effect()
+        finally:
+            _close_quietly(output, sources)
+
+    def publish(self, layout: Layout, assets: HFAssets | None) -> None:
+        """The owner stages the Hugging Face assets and the index, and publishes everything as one
+        transaction (commit point: the index, last). Signals are held back meanwhile; one that arrived is
+        honoured at the commit point (rolled back)."""
+        fmt, options = output_format(self.options.output_format), self.options
+
+        def publish() -> None:
+            session, durable = self._held(), options.sync
+            with deferred():
+                staged: list[str] = []
+                if assets is not None:
+                    assert session.staging is not None
+                    from ..io.assets import stage_assets
+
+                    target = None if options.dtype is None else DTYPE_TARGETS[options.dtype]
+                    staged = stage_assets(assets, session.staging, target, durable)
+                index = fmt.index(layout)
+                if index is not None:
+                    session.write_staged(INDEX_NAME, index, durable)
+                session.publish(staged + fmt.final_names(layout), session.aside, durable, before_commit=raise_pending)
+                forget_pending()
+
+        agree_on(self.comm, self.owner, publish)
+
+    def release(self, failure: BaseException | None) -> None:
+        """The directory let go of (staging removed and the lock released unless published); after a
+        failure every rank agreed on, every rank returns together."""
+        if self.held is not None:
+            self.held.close()
+        if isinstance(failure, MpiconsError):
+            wait_for_all(self.comm)
+
+    def _held(self) -> OutputDir:
+        assert self.held is not None, "the owner holds the output directory"
+        return self.held
+
+
+def check_machine(comm: Comm, input_dir: str, output_dir: str, buffer_size: int, inside_input: bool = False) -> None:
+    """Before anything is created: the output is no rank's input directory nor inside one (``inside_input``:
+    it may be inside one), and the buffers fit in memory.
+
+    Each rank compares the output directory and every directory above it, as it sees them, with the
+    input directory of every rank on the same host (``{rank}`` resolved), so no file can be written
+    among or below any rank's shards.
+    """
+    seen = agree(comm, lambda: (host_name(), directory_identity(rank_directory(input_dir, comm.rank))), gather=True)
+
+    def check() -> None:
+        host = seen[comm.rank][0]
+        here = {rank: identity for rank, (other, identity) in enumerate(seen) if other == host}
+        refuse_output_in_inputs(output_dir, input_dir, here, inside_input)
+        check_buffer_size(buffer_size, sum(1 for other_host, _ in seen if other_host == host))
+
+    agree(comm, check)
+
+
+def refuse_output_in_inputs(
+    output_dir: str, input_dir: str, inputs: dict[int, tuple[int, int] | None], inside_input: bool = False
+) -> None:
+    """Bad input when ``output_dir`` (or, unless ``inside_input``, a directory above it) is one of ``inputs``:
+    rank → the identity of its input directory, for the ranks on this host."""
+    for path, identity in identities_up(output_dir):
+        rank = next((r for r, other in inputs.items() if other == identity), None)
+        if rank is None:
+            continue
+        whose = f" (rank {rank}'s {rank_directory(input_dir, rank)})" if "{rank}" in input_dir else ""
+        if path == os.path.realpath(output_dir):
+            raise InputError(f"{output_dir}: output directory is the input directory{whose}")
+        if inside_input:
+            continue
+        raise InputError(
+            f"{output_dir}: output directory is inside the input directory {path}{whose}: mpicons never writes among "
+            f"or below the shards it reads; give a directory outside it (its parent, {os.path.dirname(path)}, may be the output)"
+        )
+
+
+def mapped_names(mapping: dict[str, str] | None) -> dict[str, str]:
+    """The file names a mapping gives, each with the first tensor it holds and where the mapping came from."""
+    source = getattr(mapping, "source", "mapping")
+    names: dict[str, str] = {}
+    for tensor, file_name in (mapping or {}).items():
+        names.setdefault(file_name, f"output file name (of tensor {tensor!r} in {source})")
+    return names
+
+
+def layout_names(layout: Layout, options: Options) -> dict[str, str]:
+    return {name: "output file name" for name in output_format(options.output_format).final_names(layout)}
+
+
+def check_output_names(comm: Comm, owner: int, output_dir: str, names: dict[str, str]) -> None:
+    """Refuse, before anything is created or written, an output directory or file names the output file
+    system cannot hold (too long, not plain names): bad input, not a create that fails mid-run."""
+
+    def check() -> None:
+        check_path_fits(output_dir, "output directory name")
+        check_names_fit(output_dir, names)
+
+    agree_on(comm, owner, check)
+
+
+def _close_quietly(output: OutputBackend, sources: SourceFiles) -> None:
+    sources.close()
+    try:
+        output.close()
+    except Exception:  # noqa: BLE001 - cleanup after a failure already being reported
+        pass
+
+
+__all__ = ["DirectoryTarget", "check_machine", "check_output_names", "layout_names", "mapped_names", "refuse_output_in_inputs"]
