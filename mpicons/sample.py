@@ -1,22 +1,22 @@
 """The built-in sample checkpoints (the documented import path ``mpicons.sample``).
 
-They live in :mod:`mpicons.frontends.sample`, :mod:`mpicons.frontends.sample_megatron` and
-:mod:`mpicons.frontends.sample_deepspeed`; this
+They live in :mod:`mpicons.frontends.sample`, :mod:`mpicons.trainers.megatron.sample` and
+:mod:`mpicons.trainers.deepspeed.sample`; this
 module names their public functions where users import them from.
 """
 
 from __future__ import annotations
 
 from .frontends.sample import check_sample, write_sample
-from .frontends.sample_deepspeed import ZeroSampleConfig, write_zero_plain, write_zero_sample, zero_expected_hf
-from .frontends.sample_megatron import (
+from .trainers.deepspeed.sample import ZeroSampleConfig, write_zero_plain, write_zero_sample, zero_expected_hf
+from .trainers.megatron.sample import (
     MegatronSampleConfig,
     megatron_expected_hf,
     megatron_hf_config,
     megatron_values,
     write_megatron_sample,
 )
-from .frontends.sample_model import SampleConfig, expected_mapping, full_tensor, tensor_specs
+from .trainers.sample_model import SampleConfig, expected_mapping, full_tensor, tensor_specs
 
 __all__ = [
     "MegatronSampleConfig",

@@ -825,7 +825,7 @@ def test_the_command_line_lists_the_strided_tensors_in_one_line(tmp_path: Path) 
 def _checkpoint_of(tmp_path: Path, tensors: dict[str, tuple[tuple[int, ...], tuple[int, ...], np.ndarray]]) -> Path:
     """One data file of F32 tensors, each one ``torch.save`` item of ``(shape, strides, storage values)``,
     each tensor one chunk at offset 0 (the items written by the sample's own archive writer)."""
-    from mpicons.frontends.sample_distcp import tensor_pickle, torch_archive
+    from mpicons.trainers.sample_distcp import tensor_pickle, torch_archive
 
     module = "torch.distributed.checkpoint.metadata"
     checkpoint = tmp_path / "checkpoint"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mpicons.frontends import sample_model
 from mpicons.sample import SampleConfig, full_tensor
+from mpicons.trainers import sample_model
 
 
 @pytest.mark.parametrize("dtype", ["BF16", "F16", "F32", "F64", "BOOL", "F8_E4M3", "I32"])

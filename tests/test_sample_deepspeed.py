@@ -24,8 +24,8 @@ from safetensors import safe_open
 
 import mpicons
 from mpicons.comm import SingleProcess
-from mpicons.frontends.sample_deepspeed import zero_param_specs
 from mpicons.sample import ZeroSampleConfig, write_zero_plain, write_zero_sample, zero_expected_hf
+from mpicons.trainers.deepspeed.sample import zero_param_specs
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 #: Padding on the last rank (odd sizes over 3 ranks), tied embeddings, one rank, no Adam moments.
@@ -193,7 +193,7 @@ def test_an_archive_past_4_gib_is_read_through_its_zip64_records(tmp_path: Path)
 
 
 def test_sizes_and_bad_configs() -> None:
-    from mpicons.frontends.sample_deepspeed import weight_bytes, zero_param_specs
+    from mpicons.trainers.deepspeed.sample import weight_bytes, zero_param_specs
 
     for target in (200_000_000, 2_000_000_000):
         config = ZeroSampleConfig.sized(target)

@@ -209,7 +209,7 @@ def test_run_directory_common_pt_and_assets(tmp_path: Path) -> None:
 
 
 def test_sizes_and_bad_configs() -> None:
-    from mpicons.frontends.sample_megatron import checkpoint_bytes
+    from mpicons.trainers.megatron.sample import checkpoint_bytes
 
     for target in (400_000_000, 2_500_000_000):
         config = MegatronSampleConfig.sized(target)

@@ -22,7 +22,7 @@ from .base import OPS, Communicator, Request, sleeping_wait, tree_allreduce, wai
 from .single import SingleProcess
 
 
-class Adapter(NamedTuple):
+class CommAdapter(NamedTuple):
     """A communication library mpicons can run over, wrapped by one module of this package."""
 
     #: The module of this package whose ``adapt(obj)`` wraps the library's communicators.
@@ -33,7 +33,7 @@ class Adapter(NamedTuple):
 
 
 #: The adapters, by the module prefix of the communicator's type; imported only when one is passed.
-ADAPTERS = {"mpi4py": Adapter(".mpi"), "torch": Adapter(".torch_group", watch="torch.distributed")}
+ADAPTERS = {"mpi4py": CommAdapter(".mpi"), "torch": CommAdapter(".torch_group", watch="torch.distributed")}
 #: The adapter for None: its ``default()`` is the job's whole world (``MPI.COMM_WORLD``).
 DEFAULT_ADAPTER = ".mpi"
 
@@ -55,7 +55,7 @@ def as_communicator(comm: object | None) -> Communicator:
     raise TypeError(f"not a communicator: {comm!r} (an mpi4py intracommunicator, a torch.distributed process group, or None)")
 
 
-def _recognised(adapter: Adapter, comm: object) -> bool:
+def _recognised(adapter: CommAdapter, comm: object) -> bool:
     """Whether an adapter whose library is loaded already claims ``comm`` (torch's non-member marker, an int)."""
     if not adapter.watch or adapter.watch not in sys.modules:
         return False
@@ -67,7 +67,7 @@ __all__ = [
     "Request",
     "SingleProcess",
     "as_communicator",
-    "Adapter",
+    "CommAdapter",
     "ADAPTERS",
     "wait_all",
     "sleeping_wait",

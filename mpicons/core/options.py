@@ -135,12 +135,11 @@ class Options:
     )
     adapter: str | None = _option(
         None,
-        "Map a training framework's names and layouts to Hugging Face's: a trainer with built-in rules "
-        "(``torchtitan``, ``megatron``: its families, chosen by ``config.json``'s ``model_type``, are its rule files; "
-        "docs/model-families.md) or a path to a rule file (docs/adapter-rules.md). "
+        "Map a training framework's names and layouts to Hugging Face's: the name of a trainer with built-in "
+        "rules (the trainers' registry lists them; its families, chosen by ``config.json``'s ``model_type``, are "
+        "its rule files; docs/model-families.md) or a path to a rule file (docs/adapter-rules.md). "
         "None: tensors keep their saved names and layouts, unless the input is recognisably a trainer's whose "
-        "adapter is then chosen (a Megatron checkpoint: ``megatron``). ``none``: the saved names and layouts, "
-        "whatever the input (a Megatron checkpoint's own tensors).",
+        "adapter is then chosen. ``none``: the saved names and layouts, whatever the input.",
     )
     hf_assets: str | os.PathLike[str] | None = _option(
         None,
@@ -213,11 +212,11 @@ class Options:
         if self.keep_dtype and self.dtype is None:
             raise InputError("--keep-dtype keeps tensors out of a --dtype conversion: give --dtype too")
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter):
-            raise InputError(f"--adapter is 'torchtitan', 'megatron' or a rule file's path (got {self.adapter!r})")
+            raise InputError(f"--adapter is a built-in adapter's name or a rule file's path (got {self.adapter!r})")
         if self.main_params and (self.include or self.strip_prefix is not None):
             raise InputError("--main-params chooses the tensors and their names itself: leave out --include and --strip-prefix")
         if self.model_type is not None and (not isinstance(self.model_type, str) or not self.model_type):
-            raise InputError(f"--model-type is a Hugging Face model_type such as 'llama' (got {self.model_type!r})")
+            raise InputError(f"--model-type is a Hugging Face model_type (got {self.model_type!r})")
         if self.strip_prefix is not None and (not isinstance(self.strip_prefix, str) or not self.strip_prefix):
             raise InputError(f"--strip-prefix must be a non-empty string (got {self.strip_prefix!r})")
         if self.expect_ranks is not None and (

@@ -182,9 +182,9 @@ def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
     from ..job.consolidation import consolidate
     from ..job.pipeline import check_buffer_fits, check_options
     from ..job.progress import report_columns
+    from ..trainers.sample_model import SampleConfig
     from .demo import DemoDirectory
     from .sample import check_sample, sample_file_names, write_sample
-    from .sample_model import SampleConfig
 
     _check_report_paths(comm, args.stats_json)
     options = job_options(args)  # checked, as consolidate checks them, before anything is written

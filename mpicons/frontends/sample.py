@@ -28,8 +28,8 @@ from ..comm import as_communicator
 from ..comm.agreement import agree, agree_on
 from ..core.names import INDEX_NAME, METADATA_NAME, SINGLE_FILE_NAME, shard_file_name
 from ..core.safetensors_codec import DTYPE_BY_NAME, DTYPE_ORDER, build_header
-from .sample_distcp import metadata_pickle, write_distcp_ranks
-from .sample_model import TORCHTITAN_NON_MODEL, Box, ItemIndex, SampleConfig, full_tensor, placements_of, tensor_specs
+from ..trainers.sample_distcp import metadata_pickle, write_distcp_ranks
+from ..trainers.sample_model import TORCHTITAN_NON_MODEL, Box, ItemIndex, SampleConfig, full_tensor, placements_of, tensor_specs
 
 
 def _shard_header(pieces: list[tuple[str, str, tuple[int, ...], tuple[int, ...]]]) -> bytes:

@@ -16,7 +16,7 @@ from ..core.layout import Layout
 from ..core.names import INDEX_NAME
 from ..core.options import DEFAULT_BUFFER_SIZE, FORMATS, Options
 from ..core.parts import Part
-from ..io.formats import output_format
+from ..io.output_formats import output_format
 from ..io.s3 import is_s3
 from ..trainers import rule_sets_reading
 from .adapter_setup import Adapter

@@ -20,8 +20,8 @@ from ..core.names import INDEX_NAME
 from ..core.options import DTYPE_TARGETS, Options
 from ..core.parts import Part
 from ..io.backends import open_output
-from ..io.formats import output_format
 from ..io.outdir import OutputDir, directory_identity, identities_up
+from ..io.output_formats import output_format
 from ..io.outputs import OutputBackend
 from ..io.sources import SourceFiles
 from .adapter_setup import refuse_checkpoint_output

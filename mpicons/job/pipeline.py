@@ -27,8 +27,8 @@ from ..core.parts import Part
 from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
 from ..core.problems import Problems
 from ..core.runs import check_saved_views
-from ..io.formats import output_format
 from ..io.inputs import InputStore
+from ..io.output_formats import output_format
 from ..io.s3_upload_plan import align_work
 from .adapter_setup import Adapter, assets_mapping, convert_scanned, load_adapter, plan_scanned
 from .archive_scan import scan_input

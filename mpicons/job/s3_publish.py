@@ -18,7 +18,7 @@ from ..core.layout import Layout
 from ..core.names import INDEX_NAME
 from ..core.options import DTYPE_TARGETS, MIN_PART, Options
 from ..core.parts import Part
-from ..io.formats import output_format
+from ..io.output_formats import output_format
 from ..io.s3 import S3Client, S3Location, is_s3
 from ..io.s3_destination import S3Destination
 from ..io.s3_output import IN_FLIGHT, S3Output

@@ -1,7 +1,8 @@
 """The trainers mpicons knows, one leaf each (``torchtitan/``, ``megatron/``, ``deepspeed/``, ``verl/``,
-``accelerate/``): how to recognise a
-checkpoint of theirs, the classes their pickles may name, their rule files, where their config and
-iteration live (no MPI here).
+``accelerate/``): how to recognise a checkpoint of theirs, the classes their pickles may name, their
+rule files, where their config and iteration live, and a sample writer of their format beside its
+reader (no MPI here). ``sample_model`` is what every sample holds, ``sample_distcp`` DCP's default
+format as the samples write it.
 
 Nothing below this package names a trainer. The job asks the trainers in turn whether the input is
 theirs (:func:`recognise`) and hands what the one that claims it gives (an allow-list for the

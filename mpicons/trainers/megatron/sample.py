@@ -29,9 +29,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..formats.pickle_writer import Call, Global, Obj, dumps
-from .sample_distcp import METADATA_MODULE, tensor_pickle, torch_archive, torch_size
-from .sample_model import ItemIndex, SampleConfig, full_tensor
+from ...formats.pickle_writer import Call, Global, Obj, dumps
+from ..sample_distcp import METADATA_MODULE, tensor_pickle, torch_archive, torch_size
+from ..sample_model import ItemIndex, SampleConfig, full_tensor
 
 DTYPE = "BF16"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"

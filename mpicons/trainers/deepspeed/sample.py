@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from ..core.names import shard_file_name
-from ..core.safetensors_codec import build_header
-from ..formats.pickle_writer import Call, Global, Obj, PersistentId, dumps
-from .sample_distcp import torch_size
-from .sample_megatron import MegatronSampleConfig, hf_specs, megatron_hf_config, write_megatron_hf_assets
-from .sample_model import SampleConfig, chunk_bounds, full_tensor
+from ...core.names import shard_file_name
+from ...core.safetensors_codec import build_header
+from ...formats.pickle_writer import Call, Global, Obj, PersistentId, dumps
+from ..megatron.sample import MegatronSampleConfig, hf_specs, megatron_hf_config, write_megatron_hf_assets
+from ..sample_distcp import torch_size
+from ..sample_model import SampleConfig, chunk_bounds, full_tensor
 
 DS_VERSION = "0.19.8"
 LATEST = "latest"
