@@ -273,3 +273,49 @@ def slow_beyond(values: list, fast: int) -> list:
         value if i < fast else pytest.param(*value, marks=slow) if isinstance(value, tuple) else pytest.param(value, marks=slow)
         for i, value in enumerate(values)
     ]
+
+
+#: Loads outputs with transformers beside an expected model, in a child process (importing torch and
+#: transformers is most of the time, and would weigh on every later test of the process).
+_TRANSFORMERS_LOAD = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+
+for group in sys.argv[1:]:  # EXPECTED=OUT,OUT,...
+    expected_dir, outputs = group.split("=", 1)
+    want_model = AutoModelForCausalLM.from_pretrained(expected_dir, dtype=torch.float32)
+    ids = (torch.arange(48) * 37 % want_model.config.vocab_size).reshape(2, 24)
+    with torch.no_grad():
+        want = want_model(ids).logits
+    for out in outputs.split(","):
+        model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+        with torch.no_grad():
+            got = model(ids).logits
+        report = {key: sorted(map(str, info[key])) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        mine, theirs = model.config.to_dict(), want_model.config.to_dict()
+        report["config_differs"] = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        report.update(cls=type(model).__name__, equal=bool(torch.equal(got, want)), max_diff=(got - want).abs().max().item())
+        print(json.dumps(report))
+"""
+
+
+def transformers_reports(groups: list[tuple[Path, list[Path]]], timeout: float = 300) -> list[dict]:
+    """What transformers makes of each output beside its expected model directory (``groups``: expected,
+    outputs), one report per output in order: missing/unexpected/mismatched keys, the model class, the
+    config fields that differ, whether the logits are equal (and by how much they differ). Skips the test
+    without torch or transformers."""
+    import importlib.util
+
+    for module in ("torch", "transformers"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
+    arguments = [f"{expected}=" + ",".join(map(str, outputs)) for expected, outputs in groups]
+    proc = subprocess.run(
+        [sys.executable, "-c", _TRANSFORMERS_LOAD, *arguments], capture_output=True, text=True, timeout=timeout,
+        env=subprocess_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == sum(len(outputs) for _, outputs in groups), proc.stdout + proc.stderr
+    return reports

@@ -14,14 +14,13 @@ import json
 import shutil
 import struct
 import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli, load_tensors, reference_bytes, run_python, subprocess_env
+from helpers import cli, load_tensors, reference_bytes, run_python, transformers_reports
 from megatron_cases import CASES, ITERATION, NUMPY_DTYPES, checkpoint, expected_dir, hf_assets, iteration_dir, verify_record
 
 import mpicons
@@ -114,51 +113,14 @@ def test_one_process_writes_the_expected_model(
 
 # ---------------------------------------------------------------- transformers loads it
 
-LOAD = """
-import json, sys
-import torch
-from transformers import AutoModelForCausalLM
-
-for group in sys.argv[1:]:  # EXPECTED=OUT,OUT,...
-    expected_dir, outputs = group.split("=", 1)
-    want_model = AutoModelForCausalLM.from_pretrained(expected_dir, dtype=torch.float32)
-    ids = (torch.arange(48) * 37 % want_model.config.vocab_size).reshape(2, 24)
-    with torch.no_grad():
-        want = want_model(ids).logits
-    for out in outputs.split(","):
-        model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
-        with torch.no_grad():
-            got = model(ids).logits
-        report = {key: sorted(map(str, info[key])) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-        mine, theirs = model.config.to_dict(), want_model.config.to_dict()
-        report["config_differs"] = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        report.update(cls=type(model).__name__, equal=bool(torch.equal(got, want)), max_diff=(got - want).abs().max().item())
-        print(json.dumps(report))
-"""
-
 
 @pytest.fixture(scope="module")
 def loaded(serial: Callable[[str, str, str], Run]) -> dict[tuple[str, str, str], dict]:
     """What transformers makes of every output, beside the expected model: one subprocess for all
     (importing torch and transformers is most of the time, and would weigh on every later test here)."""
-    for module in ("torch", "transformers"):
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{module} is not installed")
     keys = [(case, given, config) for case in CASES for given in GIVEN for config in CONFIGS]
-    groups = [
-        f"{expected_dir(case)}=" + ",".join(str(serial(case, given, config).out) for given in GIVEN for config in CONFIGS)
-        for case in CASES
-    ]
-    proc = subprocess.run(
-        [sys.executable, "-c", LOAD, *groups],
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-        env=subprocess_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
-    )
-    assert proc.returncode == 0, proc.stderr
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == len(keys), proc.stdout + proc.stderr
+    groups = [(expected_dir(case), [serial(case, given, config).out for given in GIVEN for config in CONFIGS]) for case in CASES]
+    lines = transformers_reports(groups, timeout=TIMEOUT)
     return dict(zip(keys, lines))
 
 

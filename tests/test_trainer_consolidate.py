@@ -9,18 +9,15 @@ allowed, a missing rank file: each exit 2 on every rank, naming the file.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import cli, load_tensors, reference_bytes, subprocess_env
+from helpers import cli, load_tensors, reference_bytes, transformers_reports
 from trainer_saves import write_verl, write_zero
 
 import mpicons
@@ -192,27 +189,8 @@ def test_verify_against_the_checkpoint(case: str, tmp_path: Path) -> None:
     assert proc.returncode != 0, proc.stdout + proc.stderr
 
 
-LOAD = """
-import json, sys
-import torch
-from transformers import AutoModelForCausalLM
-
-for group in sys.argv[1:]:
-    expected_dir, out = group.split("=", 1)
-    want_model = AutoModelForCausalLM.from_pretrained(expected_dir, dtype=torch.float32)
-    ids = (torch.arange(48) * 37 % want_model.config.vocab_size).reshape(2, 24)
-    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
-    with torch.no_grad():
-        equal = bool(torch.equal(model(ids).logits, want_model(ids).logits))
-    report = {key: sorted(map(str, info[key])) for key in ("missing_keys", "unexpected_keys", "mismatched_keys")}
-    print(json.dumps({**report, "equal": equal}))
-"""
-
-
 @pytest.mark.slow
 def test_transformers_loads_every_output_with_the_engines_logits(tmp_path: Path) -> None:
-    if importlib.util.find_spec("transformers") is None:
-        pytest.skip("transformers is not installed")
     groups = []
     for case, (folder, run, _) in CASES.items():
         out, expected = tmp_path / case, tmp_path / f"{case}-expected"
@@ -221,15 +199,8 @@ def test_transformers_loads_every_output_with_the_engines_logits(tmp_path: Path)
         expected.mkdir()
         shutil.copy(out / "config.json", expected / "config.json")
         shutil.copy(folder / "expected-fp32" / "model.safetensors", expected / "model.safetensors")
-        groups.append(f"{expected}={out}")
-    proc = subprocess.run(
-        [sys.executable, "-c", LOAD, *groups], capture_output=True, text=True, timeout=300,
-        env=subprocess_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(reports) == len(CASES), proc.stdout + proc.stderr
-    for report in reports:
+        groups.append((expected, [out]))
+    for report in transformers_reports(groups):
         assert (report["missing_keys"], report["unexpected_keys"], report["mismatched_keys"]) == ([], [], [])
         assert report["equal"], report
 
