@@ -363,3 +363,14 @@ def test_the_documented_import_paths_work() -> None:
         + "print('ok')\n"
     )
     _prints_ok(code)
+
+
+def test_rooms_stay_small_enough_to_hold_in_ones_head() -> None:
+    """No module over 600 lines, no function over 60: a module is one concern, a function one step."""
+    too_long = [f"{module}: {len(FILES[module].read_text().splitlines())} lines" for module in MODULES
+                if len(FILES[module].read_text().splitlines()) > 600]  # fmt: skip
+    for module in MODULES:
+        for node in ast.walk(ast.parse(FILES[module].read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                too_long.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert too_long == []

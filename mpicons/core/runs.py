@@ -205,70 +205,85 @@ def _transposed_runs(
     """Pieces saved as transposed views: per (segment, piece), the box read in its saved order (one run
     per saved row, merged where the box spans whole saved rows) into scratch past the block, and a
     :class:`Transpose` that puts it in place. Per piece, never per element."""
-    arrays = layout.arrays
     scratch_at = block.source_size
     parts: list[Runs] = []
-    assert pieces.stride is not None
     for s, p, lo, hi in zip(segment.tolist(), piece.tolist(), low.tolist(), high.tolist()):
-        t = int(pieces.tensor[p])
-        unit = int(arrays.source_unit[t])
-        shape = pieces.shape[p].copy()
-        shape[0] = hi - lo
-        stride = pieces.stride[p]
-        order = tuple(sorted(range(len(shape)), key=lambda d: (-int(stride[d]) if shape[d] > 1 else 1, d)))
-        saved_shape = shape[list(order)]
-        saved_stride = stride[list(order)]
-        if saved_shape[-1] > 1 and saved_stride[-1] != 1:
-            raise InputError(
-                f"tensor {layout.tensors[t].name!r}: a piece saved with strides {stride.tolist()} has no contiguous "
-                "dimension: mpicons cannot read this layout"
-            )
-        # Saved dims from the innermost that the box spans whole (and that follow on) merge into one run.
-        inner = len(order) - 1
-        while (
-            inner > 0
-            and saved_shape[inner] == pieces.shape[p][order[inner]]
-            and saved_stride[inner - 1] == saved_stride[inner] * saved_shape[inner]
-        ):
-            inner -= 1
-        outer = saved_shape[:inner]
-        run_units = int(np.prod(saved_shape[inner:]))
-        start = int(pieces.begin[p]) + (lo - int(pieces.offset[p, 0])) * int(stride[0]) * unit
-        grid = np.indices(tuple(int(x) for x in outer)).reshape(len(outer), -1) if inner else np.zeros((0, 1), dtype=np.int64)
-        src = start + (saved_stride[:inner] @ grid) * unit if inner else np.array([start], dtype=np.int64)
-        count = len(src)
-        dst = scratch_at + np.arange(count, dtype=np.int64) * run_units * unit
-        storage = np.array(layout.tensors[t].storage, dtype=np.int64)[None, :]
-        axes = arrays.axes[t][None, :]
-        out_storage = np.take_along_axis(storage, axes, axis=1)[0]
-        out_step = np.ones(len(out_storage), dtype=np.int64)
-        for d in range(len(out_storage) - 2, -1, -1):
-            out_step[d] = out_step[d + 1] * out_storage[d + 1]
-        full_step = np.empty_like(out_step)
-        full_step[arrays.axes[t]] = out_step
-        first = np.array(pieces.offset[p], dtype=np.int64)
-        first[0] = lo - int(seg_low[s])
-        dst_at = int(base[s]) + int(first @ full_step) * unit
-        placed = Transpose(
-            scratch_at,
-            tuple(int(x) for x in saved_shape),
-            tuple(order.index(d) for d in range(len(order))),
-            dst_at,
-            tuple(int(x) * unit for x in full_step),
-            unit,
-        )
-        runs = Runs(
-            np.full(count, pieces.file[p], dtype=np.int64),
-            src.astype(np.int64),
-            dst,
-            np.full(count, run_units * unit, dtype=np.int64),
-            np.full(count, pieces.holder[p], dtype=np.int64),
-            (placed,),
-            count * run_units * unit,
-        )
+        runs = _transposed_piece(layout, pieces, p, lo, hi, int(seg_low[s]), int(base[s]), scratch_at)
         parts.append(runs)
-        scratch_at += count * run_units * unit
+        scratch_at += runs.scratch
     return Runs.concat(parts)
+
+
+def _transposed_piece(layout: Layout, pieces: Pieces, p: int, lo: int, hi: int, seg_low: int, base: int, scratch_at: int) -> Runs:
+    """One transposed piece's rows ``[lo, hi)``: read in its saved order into scratch at ``scratch_at``,
+    then put in place at ``base`` (the segment's first row being ``seg_low``)."""
+    t = int(pieces.tensor[p])
+    unit = int(layout.arrays.source_unit[t])
+    shape = pieces.shape[p].copy()
+    shape[0] = hi - lo
+    assert pieces.stride is not None
+    stride = pieces.stride[p]
+    order, inner = _saved_order(layout, pieces, p, shape, stride)
+    saved_shape, saved_stride = shape[list(order)], stride[list(order)]
+    outer = saved_shape[:inner]
+    run_units = int(np.prod(saved_shape[inner:]))
+    start = int(pieces.begin[p]) + (lo - int(pieces.offset[p, 0])) * int(stride[0]) * unit
+    grid = np.indices(tuple(int(x) for x in outer)).reshape(len(outer), -1) if inner else np.zeros((0, 1), dtype=np.int64)
+    src = start + (saved_stride[:inner] @ grid) * unit if inner else np.array([start], dtype=np.int64)
+    count = len(src)
+    full_step = _output_steps(layout, t)
+    first = np.array(pieces.offset[p], dtype=np.int64)
+    first[0] = lo - seg_low
+    placed = Transpose(
+        scratch_at,
+        tuple(int(x) for x in saved_shape),
+        tuple(order.index(d) for d in range(len(order))),
+        base + int(first @ full_step) * unit,
+        tuple(int(x) * unit for x in full_step),
+        unit,
+    )
+    return Runs(
+        np.full(count, pieces.file[p], dtype=np.int64),
+        src.astype(np.int64),
+        scratch_at + np.arange(count, dtype=np.int64) * run_units * unit,
+        np.full(count, run_units * unit, dtype=np.int64),
+        np.full(count, pieces.holder[p], dtype=np.int64),
+        (placed,),
+        count * run_units * unit,
+    )
+
+
+def _saved_order(layout: Layout, pieces: Pieces, p: int, shape: np.ndarray, stride: np.ndarray) -> tuple[tuple[int, ...], int]:
+    """The piece's dims from outermost to innermost as saved, and how many outer ones are read one run per
+    index: saved dims from the innermost that the box spans whole (and that follow on) merge into one run."""
+    order = tuple(sorted(range(len(shape)), key=lambda d: (-int(stride[d]) if shape[d] > 1 else 1, d)))
+    saved_shape, saved_stride = shape[list(order)], stride[list(order)]
+    if saved_shape[-1] > 1 and saved_stride[-1] != 1:
+        raise InputError(
+            f"tensor {layout.tensors[int(pieces.tensor[p])].name!r}: a piece saved with strides {stride.tolist()} has "
+            "no contiguous dimension: mpicons cannot read this layout"
+        )
+    inner = len(order) - 1
+    while (
+        inner > 0
+        and saved_shape[inner] == pieces.shape[p][order[inner]]
+        and saved_stride[inner - 1] == saved_stride[inner] * saved_shape[inner]
+    ):
+        inner -= 1
+    return order, inner
+
+
+def _output_steps(layout: Layout, t: int) -> np.ndarray:
+    """Units per step of each storage dim of tensor ``t`` in the output (its dims in the output's order)."""
+    arrays = layout.arrays
+    storage = np.array(layout.tensors[t].storage, dtype=np.int64)[None, :]
+    out_storage = np.take_along_axis(storage, arrays.axes[t][None, :], axis=1)[0]
+    out_step = np.ones(len(out_storage), dtype=np.int64)
+    for d in range(len(out_storage) - 2, -1, -1):
+        out_step[d] = out_step[d + 1] * out_storage[d + 1]
+    full_step = np.empty_like(out_step)
+    full_step[arrays.axes[t]] = out_step
+    return full_step
 
 
 def _prefixed_runs(layout: Layout, part: Part, block: Block, index: int) -> Runs:
@@ -337,22 +352,9 @@ def _runs(
     that of its place in the output's order. ``strides`` are the pieces' own (views torch saved), else
     row-major in their box.
     """
-    width = storage.shape[1]
     if innermost is None:
         innermost = _innermost(shape, offset, storage)
-    # Units per step of each dimension, in the piece's own box and in the full tensor.
-    piece_step = np.ones_like(shape)
-    full_step = np.ones_like(storage)
-    out_storage = storage if axes is None else np.take_along_axis(storage, axes, axis=1)
-    for d in range(width - 2, -1, -1):
-        piece_step[:, d] = piece_step[:, d + 1] * shape[:, d + 1]
-        full_step[:, d] = full_step[:, d + 1] * out_storage[:, d + 1]
-    if strides is not None:
-        piece_step = strides
-    if axes is not None:  # the output's steps, re-indexed by storage dim
-        by_storage = np.empty_like(full_step)
-        np.put_along_axis(by_storage, axes, full_step, axis=1)
-        full_step = by_storage
+    piece_step, full_step = _steps(storage, shape, axes, strides)
 
     def runs_at(which: np.ndarray, src_units: np.ndarray, dst_units: np.ndarray, length_units: np.ndarray) -> Runs:
         u = unit[which]
@@ -382,6 +384,26 @@ def _runs(
         dst_units += (row - seg_low[pair]) * full_step[pair, 0]
         out.append(runs_at(pair, src_units, dst_units, shape[pair, k] * full_step[pair, k]))
     return Runs.concat(out)
+
+
+def _steps(
+    storage: np.ndarray, shape: np.ndarray, axes: np.ndarray | None, strides: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Units per step of each dimension, in each piece's own box (its ``strides`` when saved as a view)
+    and in the full tensor (by storage dim, the output's order given by ``axes``)."""
+    piece_step = np.ones_like(shape)
+    full_step = np.ones_like(storage)
+    out_storage = storage if axes is None else np.take_along_axis(storage, axes, axis=1)
+    for d in range(storage.shape[1] - 2, -1, -1):
+        piece_step[:, d] = piece_step[:, d + 1] * shape[:, d + 1]
+        full_step[:, d] = full_step[:, d + 1] * out_storage[:, d + 1]
+    if strides is not None:
+        piece_step = strides
+    if axes is not None:  # the output's steps, re-indexed by storage dim
+        by_storage = np.empty_like(full_step)
+        np.put_along_axis(by_storage, axes, full_step, axis=1)
+        full_step = by_storage
+    return piece_step, full_step
 
 
 __all__ = ["MAX_RUNS", "Runs", "Transpose", "check_saved_views", "dense_from", "runs_of"]

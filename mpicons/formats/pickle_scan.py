@@ -40,7 +40,7 @@ _TOO_DEEP = (MAX_DEPTH + 1) * _LEVEL
 # Opcode kinds of the pre-scan (see :func:`check_opcodes`).
 _ATOM, _COUNTED, _LINE, _EMPTY, _MEMOIZE, _GET, _PUT, _TUPLE_N, _FROM_MARK, _INTO_MARK = range(10)
 _MARK, _REDUCE, _BUILD, _APPEND, _SETITEM, _POP, _POP_MARK, _DUP, _STACK_GLOBAL, _PERSID = range(10, 20)
-_NEWOBJ, _NEWOBJ_EX, _GLOBAL, _INST, _FRAME, _PROTO, _STOP, _LONG = range(20, 28)
+_NEWOBJ, _NEWOBJ_EX, _GLOBAL, _INST, _FRAME, _PROTO, _STOP, _LONG, _GET_TEXT = range(20, 29)
 _KIND: dict[bytes, tuple[int, int]] = {  # opcode → (kind, argument bytes or length-prefix bytes)
     **{op: (_ATOM, 0) for op in (b"N", b"\x88", b"\x89")},
     b"K": (_ATOM, 1), b"M": (_ATOM, 2), b"J": (_ATOM, 4), b"G": (_ATOM, 8),
@@ -50,7 +50,7 @@ _KIND: dict[bytes, tuple[int, int]] = {  # opcode → (kind, argument bytes or l
     b"\x8a": (_LONG, 1), b"\x8b": (_LONG, 4),
     **{op: (_LINE, 0) for op in (b"I", b"L", b"F", b"S", b"V")},
     **{op: (_EMPTY, 0) for op in (b"]", b")", b"}", b"\x8f")},
-    b"\x94": (_MEMOIZE, 0), b"g": (_GET, -1), b"h": (_GET, 1), b"j": (_GET, 4),
+    b"\x94": (_MEMOIZE, 0), b"g": (_GET_TEXT, -1), b"h": (_GET, 1), b"j": (_GET, 4),
     b"p": (_PUT, -1), b"q": (_PUT, 1), b"r": (_PUT, 4),
     b"\x85": (_TUPLE_N, 1), b"\x86": (_TUPLE_N, 2), b"\x87": (_TUPLE_N, 3),
     **{op: (_FROM_MARK, 0) for op in (b"t", b"l", b"d", b"\x91", b"o")},
@@ -67,6 +67,8 @@ _HOT_KINDS = (_MEMOIZE, _GET, _ATOM, _MARK, _EMPTY, _TUPLE_N, _REDUCE, _NEWOBJ, 
 #: other value for the dict ones); TUPLE makes a value whose hash costs what its parts cost.
 _KEYED = {ord("d"): 2, ord("u"): 2, 0x91: 1, 0x90: 1}
 _TUPLE = ord("t")
+#: The rare kinds that read an argument from the data, and STOP.
+_READING = frozenset((_PERSID, _LONG, _LINE, _GLOBAL, _INST, _FRAME, _PROTO, _STOP))
 
 
 class _Stop(Exception):
@@ -106,12 +108,9 @@ def _walk(data: bytes) -> None:
             if arg == 1:
                 stack.append(memo[data[at]])
                 at += 1
-            elif arg == 4:
+            else:
                 stack.append(memo[from_bytes(data[at : at + 4], "little")])
                 at += 4
-            else:
-                index, at = _opcode_index(data, at, arg)
-                stack.append(memo[index])
         elif kind == atom:
             stack.append(0)
             at += arg
@@ -135,31 +134,15 @@ def _walk(data: bytes) -> None:
                 _deep(level)
             stack.append(level | cost if cost < 127 else level | 127)
         elif kind == reduce:
-            arguments = stack.pop()
-            stack[-1] = arguments if arguments >= 128 else 128  # what a stand-in returns may hash like its arguments
+            stack[-1] = max(stack.pop(), 128)  # what a stand-in returns may hash like its arguments
         elif kind == newobj:
-            arguments = stack.pop()
-            stack[-1] = arguments & -128 or 128  # a record: hashed by identity
+            stack[-1] = stack.pop() & -128 or 128  # a record: hashed by identity
         elif kind == build:
             level = (stack.pop() | 127) + 1
             if level > stack[-1]:
                 stack[-1] = (level if level < too_deep else _deep(level)) | (stack[-1] & 127)
         elif kind == from_mark or kind == into_mark:
-            start = marks.pop()
-            parts = stack[start:]
-            del stack[start:]
-            level = (max(parts, default=0) | 127) + 1
-            op = data[at - 1]
-            if op in _KEYED:
-                keys = parts[:: _KEYED[op]]
-                if keys and max(keys):
-                    _check_keys(keys, tuple_keys)
-            if kind == into_mark:
-                stack[-1] = _deep(max(stack[-1], level))
-            elif op == _TUPLE:
-                stack.append(_deep(level | min(127, 1 + len(parts) + sum(part & 127 for part in parts))))
-            else:
-                stack.append(_deep(level))
+            _close_mark(data[at - 1], kind == into_mark, stack, marks, tuple_keys)
         elif kind == counted:
             at += arg + from_bytes(data[at : at + arg], "little")
             if at > size:
@@ -168,6 +151,26 @@ def _walk(data: bytes) -> None:
         else:
             at = _rare_opcode(data, at, data[at - 1], kind, arg, stack, marks, memo, tuple_keys)
     raise pickle.UnpicklingError("the pickle ends without a STOP")
+
+
+def _close_mark(op: int, into: bool, stack: list[int], marks: list[int], tuple_keys: list[int]) -> None:
+    """An opcode that takes the values since the last MARK: into the container below them (``into``:
+    APPENDS, SETITEMS, ADDITEMS) or into a new one (TUPLE, LIST, DICT, FROZENSET, OBJ); the keys of the
+    dict and set ones weighed first."""
+    start = marks.pop()
+    parts = stack[start:]
+    del stack[start:]
+    level = (max(parts, default=0) | 127) + 1
+    if op in _KEYED:
+        keys = parts[:: _KEYED[op]]
+        if keys and max(keys):
+            _check_keys(keys, tuple_keys)
+    if into:
+        stack[-1] = _deep(max(stack[-1], level))
+    elif op == _TUPLE:
+        stack.append(_deep(level | min(127, 1 + len(parts) + sum(part & 127 for part in parts))))
+    else:
+        stack.append(_deep(level))
 
 
 def _check_keys(keys: list[int], tuple_keys: list[int]) -> None:
@@ -232,7 +235,12 @@ def _rare_opcode(
     data: bytes, at: int, op: int, kind: int, arg: int, stack: list[int], marks: list[int], memo: list[int], tuple_keys: list[int]
 ) -> int:
     """:func:`check_opcodes` for the opcodes that are not in every piece's record; raises :class:`_Stop` at STOP."""
-    if kind == _PUT:
+    if kind in _READING:
+        return _rare_value(data, at, op, kind, arg, stack, marks)
+    if kind == _GET_TEXT:
+        index, at = _opcode_index(data, at, arg)
+        stack.append(memo[index])
+    elif kind == _PUT:
         index, at = _opcode_index(data, at, arg)
         if index > len(memo):
             raise Bound(f"it stores memo entry {index} after {len(memo)} entries")
@@ -260,7 +268,14 @@ def _rare_opcode(
         del stack[marks.pop() :]
     elif kind == _DUP:
         stack.append(stack[-1])
-    elif kind == _PERSID:
+    else:
+        raise pickle.UnpicklingError(f"opcode {bytes([op])!r}, which DCP's pickles do not use")
+    return at
+
+
+def _rare_value(data: bytes, at: int, op: int, kind: int, arg: int, stack: list[int], marks: list[int]) -> int:
+    """The rare opcodes that read their argument from the data (and STOP)."""
+    if kind == _PERSID:
         if arg < 0:
             at = _line_end(data, at)
             stack.append(128)
@@ -289,10 +304,8 @@ def _rare_opcode(
         at += 8
     elif kind == _PROTO:
         at += 1
-    elif kind == _STOP:
-        raise _Stop
     else:
-        raise pickle.UnpicklingError(f"opcode {bytes([op])!r}, which DCP's pickles do not use")
+        raise _Stop
     return at
 
 

@@ -36,6 +36,7 @@ from ..core.reports import count_of as _count
 from ..core.split import SPLITS
 from ..core.table import ShardFiles
 from ..io.s3 import is_s3
+from ..job.adapter_setup import Adapter
 from ..job.model_check import judge, layout_tensors
 from ..job.pipeline import layout_of, mapping_of, scan_selected, start
 from ..job.scan import Scanned
@@ -294,29 +295,25 @@ def inspect(
     for t, problem in verdict.problems():
         problems.add(problem, t)
     file_pieces, kept = _piece_counts(comm, scanned, layout, problems)
-    label = None if options.mapping is None or isinstance(options.mapping, Mapping) else os.fspath(options.mapping)
-    if label is None and mapping is not None and adapter.assets is not None:
-        label = os.path.join(adapter.assets.directory, INDEX_NAME)
     report = describe(
-        input_dir,
-        scanned.files,
-        scanned.facts,
-        layout,
-        problems,
-        file_pieces,
-        kept,
-        ranks=ranks,
-        job_ranks=comm.size,
-        split=options.split,
-        mapping_label=label,
-        mapped=mapping is not None,
+        input_dir, scanned.files, scanned.facts, layout, problems, file_pieces, kept, ranks=ranks, job_ranks=comm.size,
+        split=options.split, mapping_label=_mapping_label(options, mapping, adapter), mapped=mapping is not None,
         skipped=scanned.skipped,
-    )
+    )  # fmt: skip
     _add_notes(report, adapter.notes, scanned, saved_names, options)
     report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))
     if report.caveat is not None and options.expect_ranks is None and verdict.checked(scanned.names) is None:
         report.notes.append(UNCHECKED_HINT)
     return report
+
+
+def _mapping_label(options: Options, mapping: dict[str, str] | None, adapter: Adapter) -> str | None:
+    """Where the output files' names come from: ``--mapping``'s file, else the assets' index, else nothing."""
+    if options.mapping is not None and not isinstance(options.mapping, Mapping):
+        return os.fspath(options.mapping)
+    if options.mapping is None and mapping is not None and adapter.assets is not None:
+        return os.path.join(adapter.assets.directory, INDEX_NAME)
+    return None
 
 
 def _piece_counts(comm: Comm, scanned: Scanned, layout: Layout, problems: Problems) -> tuple[np.ndarray, np.ndarray]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..comm import as_communicator
+from ..comm import Communicator, as_communicator
 from ..comm.agreement import agree, agree_on
 from ..core.names import INDEX_NAME, METADATA_NAME, SINGLE_FILE_NAME, shard_file_name
 from ..core.safetensors_codec import DTYPE_BY_NAME, DTYPE_ORDER, build_header
@@ -120,11 +120,7 @@ def write_sample(
     if c.kind == "torchtitan" and distcp is None:
         distcp = "torch_save"
     if assets_dir is not None:
-        if c.kind != "torchtitan":
-            raise ValueError(f"assets_dir is for the torchtitan kind, not {c.kind!r}")
-        inside = os.path.relpath(os.path.abspath(assets_dir), os.path.abspath(directory))
-        if inside == os.curdir or not inside.startswith(os.pardir):
-            raise ValueError(f"assets_dir {os.fspath(assets_dir)!r} must lie beside the checkpoint {directory!r}, not in it")
+        _check_assets_dir(c, directory, assets_dir)
     comm = as_communicator(comm) if comm is not None else None
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     chosen = keep or (lambda name, dtype: True)
@@ -146,17 +142,28 @@ def write_sample(
             handle.write(metadata_pickle(c, chosen, everything))
 
     if distcp is not None:
-        if comm is None:
-            write_metadata()
-        else:
-            agree_on(comm, 0, write_metadata)
+        _once(comm, write_metadata)
     if assets_dir is not None:
         target = assets_dir
-        if comm is None:
-            write_hf_assets(target, c)
-        else:
-            agree_on(comm, 0, lambda: write_hf_assets(target, c))
+        _once(comm, lambda: write_hf_assets(target, c))
     return sorted(n for n in os.listdir(directory) if n.startswith(("shard-", "__", ".metadata")))
+
+
+def _check_assets_dir(c: SampleConfig, directory: str, assets_dir: str | os.PathLike[str]) -> None:
+    """Assets are for the torchtitan kind, and go beside the checkpoint, never inside it."""
+    if c.kind != "torchtitan":
+        raise ValueError(f"assets_dir is for the torchtitan kind, not {c.kind!r}")
+    inside = os.path.relpath(os.path.abspath(assets_dir), os.path.abspath(directory))
+    if inside == os.curdir or not inside.startswith(os.pardir):
+        raise ValueError(f"assets_dir {os.fspath(assets_dir)!r} must lie beside the checkpoint {directory!r}, not in it")
+
+
+def _once(comm: Communicator | None, action: Callable[[], object]) -> None:
+    """``action`` done once for the job: here without a communicator, else on rank 0 (agreed)."""
+    if comm is None:
+        action()
+    else:
+        agree_on(comm, 0, action)
 
 
 # ---------------------------------------------------------------- torchtitan: HF assets and to_hf

@@ -183,13 +183,9 @@ def verify(
         return VerifyReport(output_dir, against, comm.size, [], 0, 0, problems=list(listing.problems))
     files, results = _read_files(comm, output_dir, listing, follow_links)
     located, problems = cross_check(output_dir, listing, results)
+    total = sum(w.nbytes for w in located.values())
     report = VerifyReport(
-        output_dir=output_dir,
-        against=against,
-        ranks=comm.size,
-        files=files,
-        tensors=len(located),
-        total_bytes=sum(w.nbytes for w in located.values()),
+        output_dir=output_dir, against=against, ranks=comm.size, files=files, tensors=len(located), total_bytes=total
     )
     if against is not None:
         checked = _Checked(output_dir, listing, results, located, follow_links)

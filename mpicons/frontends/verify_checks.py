@@ -179,7 +179,6 @@ def header_problem(error: HeaderError) -> Problem:
 def cross_check(output_dir: str, listing: Listing, results: list[FileResult]) -> tuple[dict[str, Located], list[Problem]]:
     """Where every tensor is, and the problems between the files and the index (pure, same on every rank)."""
     join = lambda name: os.path.join(output_dir, name)  # noqa: E731
-    index_path = join(INDEX_NAME)
     problems = list(listing.problems) + [p for r in results for p in r.problems]
     located: dict[str, Located] = {}
     listed = set(listing.weight_map.values()) if listing.weight_map is not None else set()
@@ -187,40 +186,41 @@ def cross_check(output_dir: str, listing: Listing, results: list[FileResult]) ->
     for result in sorted(results, key=lambda r: (r.name not in listed, r.name)):
         for tensor, dtype, shape, begin, end in result.tensors or ():
             if tensor in located:
-                problems.append(
-                    file_problem(
-                        join(result.name),
-                        tensor,
-                        f"also in {located[tensor].file}; a tensor must be in one file",
-                        kind="duplicate",
-                    )
-                )
+                what = f"also in {located[tensor].file}; a tensor must be in one file"
+                problems.append(file_problem(join(result.name), tensor, what, kind="duplicate"))
                 continue
             located[tensor] = Located(result.name, dtype, shape, result.data_start + begin, end - begin)
-    problems += [
-        file_problem(
-            join(n),
-            None,
-            "left by an interrupted consolidation; the next 'mpicons consolidate' into this directory finishes or undoes it",
-            kind="leftover",
-        )
-        for n in listing.leftovers
-    ]
-    weight_map = listing.weight_map
-    if weight_map is None:
-        return located, problems
+    left = "left by an interrupted consolidation; the next 'mpicons consolidate' into this directory finishes or undoes it"
+    problems += [file_problem(join(n), None, left, kind="leftover") for n in listing.leftovers]
+    if listing.weight_map is not None:
+        problems += _index_problems(output_dir, listing, results, located)
+    return located, problems
+
+
+def _listed_file_problems(output_dir: str, listing: Listing, weight_map: dict[str, str]) -> list[Problem]:
+    """Files the index does not list (strays), and files it lists that are missing."""
+    listed = set(weight_map.values())
     counts: dict[str, int] = {}
     for file_name in weight_map.values():
         counts[file_name] = counts.get(file_name, 0) + 1
-    problems += [
-        file_problem(join(n), None, "not listed in the index (stray file)", kind="extra file")
+    problems = [
+        file_problem(os.path.join(output_dir, n), None, "not listed in the index (stray file)", kind="extra file")
         for n in listing.found
         if n not in listed
     ]
-    problems += [
-        file_problem(join(n), None, f"listed in the index for {_count(counts[n], 'tensor')} but missing", kind="missing file")
-        for n in listing.listed_missing
-    ]
+    for n in listing.listed_missing:
+        what = f"listed in the index for {_count(counts[n], 'tensor')} but missing"
+        problems.append(file_problem(os.path.join(output_dir, n), None, what, kind="missing file"))
+    return problems
+
+
+def _index_problems(output_dir: str, listing: Listing, results: list[FileResult], located: dict[str, Located]) -> list[Problem]:
+    """What the index says that the files do not: stray and missing files, tensors it places elsewhere
+    or leaves out, a total size that is not the files'."""
+    join = lambda name: os.path.join(output_dir, name)  # noqa: E731
+    index_path, weight_map = join(INDEX_NAME), listing.weight_map or {}
+    listed = set(weight_map.values())
+    problems = _listed_file_problems(output_dir, listing, weight_map)
     readable = {r.name for r in results if r.tensors is not None}
     for tensor, file_name in weight_map.items():
         where = located.get(tensor)
@@ -237,15 +237,9 @@ def cross_check(output_dir: str, listing: Listing, results: list[FileResult]) ->
     if listing.total_size is not None and listed <= readable:
         actual = sum(w.nbytes for w in located.values() if w.file in listed)
         if actual != listing.total_size:
-            problems.append(
-                file_problem(
-                    index_path,
-                    None,
-                    f"metadata.total_size is {listing.total_size} but the files hold {actual} bytes of tensor data",
-                    kind="index mismatch",
-                )
-            )
-    return located, problems
+            what = f"metadata.total_size is {listing.total_size} but the files hold {actual} bytes of tensor data"
+            problems.append(file_problem(index_path, None, what, kind="index mismatch"))
+    return problems
 
 
 def _element_index(storage_index: tuple[int, ...], dtype: str, ndim: int) -> list[int]:

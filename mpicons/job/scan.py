@@ -331,15 +331,7 @@ def _scan_distcp(
     del table
     mine = exchange(comm, records, destination)
     del records
-    begins, problems, strides = agree(comm, lambda: _locate_items(store, data_files, data_sizes, tensor_names, mine))
-    problems = comm.allreduce_object(problems, _first_per_tensor)
-    problems = {**problems, **{name: message for name, message in missing.items() if name not in problems}}
-    if problems:
-        position = {name: t for t, name in enumerate(tensor_names)}
-        readable = ~np.isin(mine["tensor"], [position[name] for name in problems])
-        mine, begins = mine[readable], begins[readable]
-        strides = None if strides is None else strides[readable]
-    pieces = _located_pieces(mine, begins, strides, width, comm.rank)
+    pieces, problems = _located(comm, store, data_files, data_sizes, tensor_names, mine, missing, width)
     files = _distcp_files(data_files, data_sizes, data_holders)
     misaligned = to_storage_units(pieces)
     facts = reduce_facts(comm, pieces, len(tensor_names), width, piece_destinations(files), misaligned)
@@ -348,17 +340,32 @@ def _scan_distcp(
     facts.declared = size
     release_memory()
     return Scanned(
-        directory,
-        files,
-        tensor_names,
-        pieces,
-        facts,
-        skipped=list(skipped),
-        order=order,
-        unreadable=problems,
-        listing=listing,
-        inputs=store,
-    )
+        directory, files, tensor_names, pieces, facts, skipped=list(skipped), order=order, unreadable=problems,
+        listing=listing, inputs=store,
+    )  # fmt: skip
+
+
+def _located(
+    comm: Comm,
+    store: InputStore,
+    data_files: list[str],
+    data_sizes: list[int],
+    tensor_names: list[str],
+    mine: np.ndarray,
+    missing: dict[str, str],
+    width: int,
+) -> tuple[Pieces, dict[str, str]]:
+    """This rank's pieces found inside their items, and every tensor some of whose pieces cannot be read
+    (agreed over the ranks: the first problem of each, its pieces dropped everywhere)."""
+    begins, problems, strides = agree(comm, lambda: _locate_items(store, data_files, data_sizes, tensor_names, mine))
+    problems = comm.allreduce_object(problems, _first_per_tensor)
+    problems = {**problems, **{name: message for name, message in missing.items() if name not in problems}}
+    if problems:
+        position = {name: t for t, name in enumerate(tensor_names)}
+        readable = ~np.isin(mine["tensor"], [position[name] for name in problems])
+        mine, begins = mine[readable], begins[readable]
+        strides = None if strides is None else strides[readable]
+    return _located_pieces(mine, begins, strides, width, comm.rank), problems
 
 
 def _item_table(table: DistcpTable | None, absent: list[int], width: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -354,22 +354,33 @@ def _metadata_pickle(c: MegatronSampleConfig, ranks: _Ranks, checkpoint_id: str)
         "version": "1.0.0",
     }
     if c.plans:
-
-        def item(key: str, offsets: tuple[int, ...] | None) -> Obj:
-            kind = Call(Global(_PLANNER_MODULE, "WriteItemType"), (_BYTE_IO if offsets is None else _SHARD,))
-            data = None
-            if offsets is not None:
-                fields = {"chunk": chunk(key, offsets), "properties": properties, "size": torch_size(shapes[key])}
-                data = Obj(Global(_PLANNER_MODULE, "TensorWriteData"), fields)
-            fields = {"index": index(key, offsets), "type": kind, "bytes_io_data": None, "tensor_data": data}
-            return Obj(Global(_PLANNER_MODULE, "WriteItem"), fields)
-
-        state["all_local_plans"] = [
-            Obj(Global(_PLANNER_MODULE, "SavePlan"), {"items": [item(*k) for k in plan], "storage_data": None,
-                                                      "planner_data": {}, "usable": True})
-            for plan in ranks.plans
-        ]  # fmt: skip
+        state["all_local_plans"] = _save_plans(ranks, shapes, properties, chunk, index)
     return dumps(Obj(cls("Metadata"), state))
+
+
+def _save_plans(
+    ranks: _Ranks,
+    shapes: dict[str, tuple[int, ...]],
+    properties: Obj,
+    chunk: Callable[[str, tuple[int, ...]], Obj],
+    index: Callable[[str, tuple[int, ...] | None], Obj],
+) -> list[Obj]:
+    """Megatron-LM's ``all_local_plans``: per rank a ``SavePlan`` of the ``WriteItem`` s it wrote."""
+
+    def item(key: str, offsets: tuple[int, ...] | None) -> Obj:
+        kind = Call(Global(_PLANNER_MODULE, "WriteItemType"), (_BYTE_IO if offsets is None else _SHARD,))
+        data = None
+        if offsets is not None:
+            fields = {"chunk": chunk(key, offsets), "properties": properties, "size": torch_size(shapes[key])}
+            data = Obj(Global(_PLANNER_MODULE, "TensorWriteData"), fields)
+        fields = {"index": index(key, offsets), "type": kind, "bytes_io_data": None, "tensor_data": data}
+        return Obj(Global(_PLANNER_MODULE, "WriteItem"), fields)
+
+    return [
+        Obj(Global(_PLANNER_MODULE, "SavePlan"), {"items": [item(*k) for k in plan], "storage_data": None,
+                                                  "planner_data": {}, "usable": True})
+        for plan in ranks.plans
+    ]  # fmt: skip
 
 
 def _common_pt(c: MegatronSampleConfig, run_dir: str) -> bytes:
