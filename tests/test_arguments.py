@@ -38,3 +38,17 @@ def test_ranks_passing_different_verify_options_all_raise(mpi_tmp_path):
         outcome = str(exc)
     outcomes = comm.allgather(outcome)
     assert all(o is not None and f"[rank {comm.size - 1}] verify: argument dtype differs" in o for o in outcomes)
+
+
+def test_every_option_is_in_exactly_one_group() -> None:
+    """Each layer is handed only its group of the options (selection, publishing, storage, tuning): a new
+    option must join one, or it would reach no layer that needs it."""
+    from dataclasses import fields
+
+    from mpicons.core.options import Options, Publishing, Selection, Storage, Tuning
+
+    grouped = [f.name for group in (Selection, Publishing, Storage, Tuning) for f in fields(group)]
+    assert sorted(grouped) == sorted(f.name for f in fields(Options))
+    changed = Options(buffer_size=1 << 20, include=("a*",), s3_part_size=16 << 20, force=True)
+    assert changed.tuning.buffer_size == 1 << 20 and changed.selection.include == ("a*",)
+    assert changed.storage.s3_part_size == 16 << 20 and changed.publishing.force is True

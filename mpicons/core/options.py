@@ -229,6 +229,26 @@ class Options:
             if self.io != "posix":
                 raise InputError("--gather-to writes on one rank's local disk: use --io posix")
 
+    # Each group of the options, as the layer that needs only it is handed it (every field is in one).
+    @property
+    def selection(self) -> Selection:
+        return Selection(**self._fields_of(Selection))
+
+    @property
+    def publishing(self) -> Publishing:
+        return Publishing(**self._fields_of(Publishing))
+
+    @property
+    def storage(self) -> Storage:
+        return Storage(**self._fields_of(Storage))
+
+    @property
+    def tuning(self) -> Tuning:
+        return Tuning(**self._fields_of(Tuning))
+
+    def _fields_of(self, group: type) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(group)}
+
     def with_changes(self, **changes: Any) -> Options:
         """A copy with some fields changed; unknown names are an error (a misspelt keyword argument)."""
         known = {f.name for f in fields(self)}
@@ -241,6 +261,56 @@ class Options:
             elif name in changes:
                 changes[name] = tuple(changes[name])
         return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The input's side of the options: which tensors, under which names, through which adapter."""
+
+    include: tuple[str, ...]
+    exclude: tuple[str, ...]
+    strip_prefix: str | None
+    main_params: bool
+    adapter: str | None
+    hf_assets: str | os.PathLike[str] | None
+    model_type: str | None
+    expect_ranks: int | None
+
+
+@dataclass(frozen=True)
+class Publishing:
+    """The output's side: its files and their names, dtypes and format, and how they are published."""
+
+    mapping: str | os.PathLike[str] | Mapping[str, object] | None
+    max_shard_size: int | None
+    output_format: str
+    dtype: str | None
+    keep_dtype: tuple[str, ...]
+    force: bool
+    break_lock: bool
+    sync: bool
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Object storage: the S3 API's endpoint and the parts of an output's multipart uploads."""
+
+    s3_endpoint: str | None
+    s3_part_size: int
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """How the work is done, not what it makes: the split, the I/O, the buffers, progress."""
+
+    split: str
+    io: str
+    buffer_size: int
+    hints: Mapping[str, str]
+    io_threads: int
+    gather_to: int | None
+    progress: float | None
+    verbose: bool
 
 
 def _documented(cls: type) -> str:
@@ -258,6 +328,10 @@ Options.__doc__ = _documented(Options)
 
 __all__ = [
     "Options",
+    "Publishing",
+    "Selection",
+    "Storage",
+    "Tuning",
     "DEFAULT_BUFFER_SIZE",
     "DEFAULT_PROGRESS_SECONDS",
     "DEFAULT_IO_THREADS",

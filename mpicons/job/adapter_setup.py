@@ -23,7 +23,7 @@ from ..adaptation.rules import RuleSet, choose_rules
 from ..comm.agreement import Comm, agree_on
 from ..core.errors import InputError
 from ..core.facts import FACT_KEY, piece_destinations
-from ..core.options import Options
+from ..core.options import Options, Selection
 from ..core.safetensors_codec import DTYPES
 from ..formats.unpickling import NOTHING, AllowList
 from ..io.places import LocalPlace, read_small
@@ -67,15 +67,16 @@ class Adapter:
         """How the input's per-rank ``torch.save`` archives are read (None: it is DCP or safetensors)."""
         return None if self.found is None else TRAINERS[self.found.trainer].archives
 
-    def strip_prefix(self, options: Options) -> str | None:
+    def strip_prefix(self, selection: Selection) -> str | None:
         """``--strip-prefix``, else the prefix the trainer's layout gives every name (NeMo's ``module.``)."""
-        return options.strip_prefix if options.strip_prefix is not None or self.found is None else self.found.strip_prefix
+        given = selection.strip_prefix
+        return given if given is not None or self.found is None else self.found.strip_prefix
 
-    def select(self, scanned: Scanned, options: Options) -> Scanned:
-        """The tensors ``options`` keep, renamed (``--include``, ``--exclude``, ``--strip-prefix`` or the
+    def select(self, scanned: Scanned, selection: Selection) -> Scanned:
+        """The tensors ``selection`` keeps, renamed (``--include``, ``--exclude``, ``--strip-prefix`` or the
         trainer's prefix); with ``--main-params``, the optimizer's fp32 main parameters under the weights' names."""
-        if not options.main_params:
-            return select(scanned, options.include, options.exclude, self.strip_prefix(options))
+        if not selection.main_params:
+            return select(scanned, selection.include, selection.exclude, self.strip_prefix(selection))
         trainer = None if self.found is None else TRAINERS[self.found.trainer]
         if trainer is None or not trainer.main_params_prefixes:
             raise InputError(
@@ -87,18 +88,16 @@ class Adapter:
         prefix = next((p for p in prefixes if any(name.startswith(p) for name in scanned.names)), None)
         if prefix is None:
             flat = any(name.startswith("optimizer.distributed.") for name in scanned.names)
+            why = (
+                ": its distributed optimizer saved flat per-bucket buffers (dp_reshardable), which do not say which "
+                "parameter each element belongs to" if flat else ""
+            )  # fmt: skip
             raise InputError(
-                f"--main-params: {scanned.directory} keeps no {'* or '.join(prefixes)}* tensors"
-                + (
-                    ": its distributed optimizer saved flat per-bucket buffers (dp_reshardable), which do not say "
-                    "which parameter each element belongs to"
-                    if flat
-                    else ""
-                )
-                + "; leave out --main-params for the model's own weights (or save with "
-                "--dist-ckpt-optim-fully-reshardable, which keeps one fp32 tensor per parameter)"
+                f"--main-params: {scanned.directory} keeps no {'* or '.join(prefixes)}* tensors{why}; leave out "
+                "--main-params for the model's own weights (or save with --dist-ckpt-optim-fully-reshardable, "
+                "which keeps one fp32 tensor per parameter)"
             )
-        return _main_params(select(scanned, (), options.exclude), prefix, within)
+        return _main_params(select(scanned, (), selection.exclude), prefix, within)
 
 
 def _main_params(scanned: Scanned, prefix: str, within: str) -> Scanned:

@@ -109,7 +109,7 @@ def consolidate(
     if is_s3(output_dir):
         target: Target = S3Target.open(comm, input_dir, output_dir, options)
     else:
-        target = DirectoryTarget(comm, output_dir, options, inside_input)
+        target = DirectoryTarget(comm, output_dir, options.publishing, options.tuning, inside_input)
     return _run(comm, input_dir, target, options)
 
 

@@ -17,7 +17,7 @@ from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
 from ..core.machine import check_buffer_size, check_names_fit, check_path_fits, host_name
 from ..core.names import INDEX_NAME
-from ..core.options import DTYPE_TARGETS, Options
+from ..core.options import DTYPE_TARGETS, Publishing, Tuning
 from ..core.parts import Part
 from ..io.backends import open_output
 from ..io.outdir import OutputDir, directory_identity, identities_up
@@ -40,9 +40,10 @@ class DirectoryTarget:
 
     min_part = 0  # any rank may write any stretch of a file
 
-    def __init__(self, comm: Comm, output_dir: str, options: Options, inside_input: bool = False) -> None:
-        self.comm, self.output, self.options, self.inside_input = comm, output_dir, options, inside_input
-        self.owner = options.gather_to if options.gather_to is not None else 0
+    def __init__(self, comm: Comm, output_dir: str, publishing: Publishing, tuning: Tuning, inside_input: bool = False) -> None:
+        self.comm, self.output, self.inside_input = comm, output_dir, inside_input
+        self.publishing, self.tuning = publishing, tuning
+        self.owner = tuning.gather_to if tuning.gather_to is not None else 0
         self.held: OutputDir | None = None  # on the owner, once held
 
     def check(self, begun: Start) -> None:
@@ -50,13 +51,13 @@ class DirectoryTarget:
         the machine has the memory."""
         agree_on(self.comm, 0, lambda: refuse_checkpoint_output(self.output, begun.input_dir, self.inside_input))
         self.check_names(mapped_names(begun.mapping))
-        check_machine(self.comm, begun.directory, self.output, self.options.buffer_size, self.inside_input)
+        check_machine(self.comm, begun.directory, self.output, self.tuning.buffer_size, self.inside_input)
 
     def hold(self) -> list[str]:
         """The owner takes the directory (made if needed, locked, what a crashed run left recovered); its notes."""
 
         def open_directory() -> list[str]:
-            self.held = OutputDir.open(self.output, self.options.break_lock)
+            self.held = OutputDir.open(self.output, self.publishing.break_lock)
             return self.held.notes
 
         notes = agree_on(self.comm, self.owner, open_directory)
@@ -69,21 +70,21 @@ class DirectoryTarget:
         check_output_names(self.comm, self.owner, self.output, names)
 
     def check_layout(self, layout: Layout, assets: HFAssets | None) -> None:
-        self.check_names(layout_names(layout, self.options))
+        self.check_names(layout_names(layout, self.publishing.output_format))
 
     def write(
         self, scanned: Scanned, layout: Layout, part: Part, assets: HFAssets | None
     ) -> tuple[Layout, int, int, dict[str, str]]:
         """Stage every output in the owner's private directory and fill it; returns the (re-targeted) layout,
         the bytes this rank wrote and sent, and the MPI-IO hints in effect."""
-        comm, options = self.comm, self.options
-        fmt = output_format(options.output_format)
+        comm, publishing, tuning = self.comm, self.publishing, self.tuning
+        fmt = output_format(publishing.output_format)
         layout = fmt.target(layout)
         names = fmt.final_names(layout) + ([] if assets is None else list(assets.files))
 
         def stage() -> str:
             session = self._held()
-            session.aside = session.replaced_entries(names, options.force, checkpoint=fmt.checkpoint)
+            session.aside = session.replaced_entries(names, publishing.force, checkpoint=fmt.checkpoint)
             return session.stage()
 
         staging = agree_on(comm, self.owner, stage)
@@ -93,14 +94,14 @@ class DirectoryTarget:
         output = agree(
             comm,
             lambda: open_output(
-                options.io, comm, paths, [f.header for f in layout.files], [f.size for f in layout.files], options.hints,
-                preallocated=fmt.preallocated, owner=self.owner, durable=options.sync,
+                tuning.io, comm, paths, [f.header for f in layout.files], [f.size for f in layout.files], tuning.hints,
+                preallocated=fmt.preallocated, owner=self.owner, durable=publishing.sync,
             ),
         )  # fmt: skip
         sources = open_sources(scanned)
         try:
             agree(comm, output.create)
-            written, moved = agree(comm, lambda: write_share(comm, scanned, layout, part, sources, output, options))
+            written, moved = agree(comm, lambda: write_share(comm, scanned, layout, part, sources, output, tuning))
             agree(comm, output.sync)
             return layout, written, moved, output.hints_in_effect()
         finally:
@@ -110,7 +111,7 @@ class DirectoryTarget:
         """The owner stages the Hugging Face assets and the index, and publishes everything as one
         transaction (commit point: the index, last). Signals are held back meanwhile; one that arrived is
         honoured at the commit point (rolled back)."""
-        fmt, options = output_format(self.options.output_format), self.options
+        fmt, options = output_format(self.publishing.output_format), self.publishing
 
         def publish() -> None:
             session, durable = self._held(), options.sync
@@ -191,8 +192,9 @@ def mapped_names(mapping: dict[str, str] | None) -> dict[str, str]:
     return names
 
 
-def layout_names(layout: Layout, options: Options) -> dict[str, str]:
-    return {name: "output file name" for name in output_format(options.output_format).final_names(layout)}
+def layout_names(layout: Layout, output_format_name: str) -> dict[str, str]:
+    """The output files' names in the given format, each said to be an output file's name."""
+    return {name: "output file name" for name in output_format(output_format_name).final_names(layout)}
 
 
 def check_output_names(comm: Comm, owner: int, output_dir: str, names: dict[str, str]) -> None:

@@ -98,7 +98,7 @@ def scan_selected(
         found = rank_problem(scanned.files, options.expect_ranks, begun.input_dir)
         if found is not None:
             problems.add(found)
-    scanned = adapter.select(scanned, options)
+    scanned = adapter.select(scanned, options.selection)
     saved_names = scanned.names
     if adapter.rules is not None:
         rules, config = adapter.rules, adapter.config

@@ -16,7 +16,7 @@ from ..comm.interrupts import deferred, forget_pending, raise_pending
 from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
 from ..core.names import INDEX_NAME
-from ..core.options import DTYPE_TARGETS, MIN_PART, Options
+from ..core.options import DTYPE_TARGETS, MIN_PART, Options, Publishing, Storage, Tuning
 from ..core.parts import Part
 from ..io.output_formats import output_format
 from ..io.s3 import S3Client, S3Location, is_s3
@@ -66,13 +66,13 @@ class S3Target:
 
     min_part = MIN_PART  # every part but a file's last is at least S3's smallest
 
-    def __init__(self, comm: Comm, url: str, options: Options, owner: int = 0) -> None:
+    def __init__(self, comm: Comm, url: str, publishing: Publishing, storage: Storage, tuning: Tuning, owner: int = 0) -> None:
         self.comm = comm
         self.owner = owner
-        self.options = options
+        self.publishing, self.storage, self.tuning = publishing, storage, tuning
         self.output = url
         self.location = S3Location.parse(url)
-        self.client = S3Client(self.location, options.s3_endpoint)
+        self.client = S3Client(self.location, storage.s3_endpoint)
         self.destination: S3Destination | None = None
         self.upload_ids: list[str] = []
         self.names: list[str] = []
@@ -83,17 +83,17 @@ class S3Target:
         """The target, once the options an upload needs are there and the output is not the input."""
         agree(comm, lambda: check_s3_options(options))
         agree(comm, lambda: refuse_the_input_as_output(input_dir, url))
-        return agree(comm, lambda: cls(comm, url, options))
+        return agree(comm, lambda: cls(comm, url, options.publishing, options.storage, options.tuning))
 
     def check(self, begun: Start) -> None:
         """Before anything is made: the memory for the buffers and the parts in flight."""
-        check_buffer_fits(self.comm, self.options.buffer_size, (IN_FLIGHT + 1) * self.options.s3_part_size)
+        check_buffer_fits(self.comm, self.tuning.buffer_size, (IN_FLIGHT + 1) * self.storage.s3_part_size)
 
     def hold(self) -> list[str]:
         """The owner checks access, refuses a prefix of shards and takes the lock; returns its notes."""
 
         def hold() -> list[str]:
-            self.destination = S3Destination.open(self.client, self.options.break_lock)
+            self.destination = S3Destination.open(self.client, self.publishing.break_lock)
             return self.destination.notes
 
         return agree_on(self.comm, self.owner, hold)
@@ -113,7 +113,7 @@ class S3Target:
         does not allow replacing."""
         names = [f.name for f in layout.files] + [INDEX_NAME] + ([] if assets is None else list(assets.files))
         self.check_names(names)
-        agree_on(self.comm, self.owner, lambda: self._destination().check_replacing(names, self.options.force))
+        agree_on(self.comm, self.owner, lambda: self._destination().check_replacing(names, self.publishing.force))
 
     def write(
         self, scanned: Scanned, layout: Layout, part: Part, assets: HFAssets | None
@@ -123,14 +123,14 @@ class S3Target:
         sources = open_sources(scanned)
         try:
             written, moved = self._upload(
-                layout, lambda output: write_share(self.comm, scanned, layout, part, sources, output, self.options)
+                layout, lambda output: write_share(self.comm, scanned, layout, part, sources, output, self.tuning)
             )
         finally:
             sources.close()
         return layout, written, moved, {}
 
     def _upload(self, layout: Layout, write_share: Callable[[OutputBackend], tuple[int, int]]) -> tuple[int, int]:
-        plan = plan_uploads(layout, layout.work, self.owner, self.options.s3_part_size)
+        plan = plan_uploads(layout, layout.work, self.owner, self.storage.s3_part_size)
         agree(self.comm, lambda: check_plan(layout, plan))
         names = self.names = [f.name for f in layout.files]
         self.upload_ids = agree_on(self.comm, self.owner, lambda: self._destination().create_uploads(names))
@@ -160,9 +160,9 @@ class S3Target:
         def commit() -> None:
             from ..io.assets import asset_bytes
 
-            target = None if self.options.dtype is None else DTYPE_TARGETS[self.options.dtype]
+            target = None if self.publishing.dtype is None else DTYPE_TARGETS[self.publishing.dtype]
             payloads = {} if assets is None else asset_bytes(assets, target)
-            index = output_format(self.options.output_format).index(layout)
+            index = output_format(self.publishing.output_format).index(layout)
             with deferred():
                 raise_pending()
                 self._destination().commit([f.name for f in layout.files], self.etags, index, payloads)

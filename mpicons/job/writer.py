@@ -20,7 +20,7 @@ from ..comm.interrupts import deferred, raise_pending, raising_inside
 from ..core.blocks import Direct, Segment, block_budget, blocks, direct_pieces, plan_item
 from ..core.engine import Assembler
 from ..core.layout import Layout
-from ..core.options import Options
+from ..core.options import Tuning
 from ..core.parts import Part
 from ..io.outputs import OutputBackend
 from ..io.sources import SourceFiles
@@ -186,15 +186,15 @@ class Writer:
 
 
 def write_share(
-    comm: Comm, scanned: Scanned, layout: Layout, part: Part, sources: SourceFiles, output: OutputBackend, options: Options
+    comm: Comm, scanned: Scanned, layout: Layout, part: Part, sources: SourceFiles, output: OutputBackend, tuning: Tuning
 ) -> tuple[int, int]:
     """This rank's share of the writing (bytes written, bytes sent); with progress, reports flow to rank 0 meanwhile."""
-    exchanging = not scanned.shared or options.gather_to is not None
+    exchanging = not scanned.shared or tuning.gather_to is not None
     # Making the channel and the reporter, and their teardown, are a protocol every rank must complete:
     # a signal stops only the writing itself (the exchange polls for signals between its blocks).
     with deferred():
-        channel = comm.duplicate() if options.progress or exchanging else comm
-        reporter = Progress(channel, layout.total_bytes, options.progress, verbose=options.verbose) if options.progress else None
+        channel = comm.duplicate() if tuning.progress or exchanging else comm
+        reporter = Progress(channel, layout.total_bytes, tuning.progress, verbose=tuning.verbose) if tuning.progress else None
         on_bytes = reporter.add if reporter is not None else None
         stopped = True  # until the share is done: a signal or an error on the way is no completion
         try:
@@ -202,7 +202,7 @@ def write_share(
                 with raising_inside():
                     raise_pending()
                     written = Writer(
-                        layout, part, sources, output, options.buffer_size, on_bytes, io_threads=options.io_threads
+                        layout, part, sources, output, tuning.buffer_size, on_bytes, io_threads=tuning.io_threads
                     ).run()
                 stopped = False
                 return written, 0
@@ -212,12 +212,12 @@ def write_share(
                 scanned.files,
                 sources,
                 output,
-                options.buffer_size,
+                tuning.buffer_size,
                 channel,
                 on_bytes,
                 # An object store's parts are each one rank's, filled in order: no copies handed to
                 # another rank, none left for the end (a part's buffer would wait for them).
-                delegate=options.gather_to is None and output.any_rank_writes,
+                delegate=tuning.gather_to is None and output.any_rank_writes,
                 copies=output.any_rank_writes,
             )
             written = writer.run()
