@@ -160,10 +160,10 @@ def _close_mark(op: int, into: bool, stack: list[int], marks: list[int], tuple_k
     start = marks.pop()
     parts = stack[start:]
     del stack[start:]
-    level = (max(parts, default=0) | 127) + 1
+    level = ((max(parts) if parts else 0) | 127) + 1
     if op in _KEYED:
         keys = parts[:: _KEYED[op]]
-        if keys and max(keys):
+        if any(keys):
             _check_keys(keys, tuple_keys)
     if into:
         stack[-1] = _deep(max(stack[-1], level))
