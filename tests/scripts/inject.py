@@ -77,7 +77,7 @@ elif rank == victim:
         def failing_commit(self, *a, **k):
             raise RuntimeError("injected bug before the S3 commit")
 
-        mpicons.job.s3_publish.S3Publish.commit = failing_commit
+        mpicons.job.s3_publish.S3Target.publish = failing_commit
     elif fault == "read-error":  # any shard read fails, including reads for other ranks (node-local mode)
         import mpicons.io.sources
 
