@@ -227,6 +227,27 @@ def _converted(tensor: Tensor, target: str | None, keep: Sequence[str] = ()) -> 
     return replace(tensor, dtype=dtype, unit=DTYPE_BY_NAME[dtype].bits // 8)
 
 
+#: What block-FP8 checkpoints (DeepSeek-V3's layout) call a weight's scales: ``<weight>_scale_inv``.
+SCALE_SUFFIX = "_scale_inv"
+
+
+def _check_scaled_casts(tensors: list[Tensor], problems: Problems) -> None:
+    """A block-quantized weight (float8 beside its ``<name>_scale_inv``) or its scales converted by
+    ``--dtype`` would be cast without the other: values that load without an error and are wrong."""
+    by_name = {t.name: t for t in tensors}
+    for position, weight in enumerate(tensors):
+        scales = by_name.get(weight.name + SCALE_SUFFIX)
+        if scales is None or not weight.source_dtype.startswith("F8") or not (weight.converting or scales.converting):
+            continue
+        message = (
+            f"tensor {weight.name!r} is block-quantized FP8 (its scales are {scales.name!r}): --dtype would cast its "
+            "values without their scales, a model that loads and gives wrong answers. mpicons does not dequantize "
+            "yet: leave out --dtype (the FP8 checkpoint is consolidated exactly), or keep the FP8 weights and their "
+            f"scales as they are with --keep-dtype (a pattern for each, such as '*{SCALE_SUFFIX}')"
+        )
+        problems.add(Problem(message, weight.name, kind="quantized"), position)
+
+
 def build_layout(
     files: ShardFiles,
     names: list[str],
@@ -260,6 +281,7 @@ def build_layout(
         raise InputError(f"--max-shard-size must be positive (got {max_shard_size})")
     check_files(files, mapping, problems)
     tensors = [_converted(t, dtype, keep_dtype) for t in tensor_table(files, names, facts, problems, views)]
+    _check_scaled_casts(tensors, problems)
     assignment = _assign_files(files, tensors, facts, mapping, problems)
     if max_shard_size is not None:
         assignment = _pack_shards(tensors, assignment, max_shard_size, saved_order)

@@ -21,6 +21,7 @@ KINDS: dict[str, str] = {
     "destination": "a tensor is given two different output files",
     "mapping": "--mapping does not name every tensor, or names what is not there",
     "options": "options that contradict each other",
+    "quantized": "a block-quantized (FP8) weight or its scales that --dtype would cast without the other",
     "empty": "the checkpoint holds no tensors",
     "not dcp": "a shard file without DCP sharding information among DCP shards",
     "shard name": "shard file names that do not say consistently which output file each feeds",
