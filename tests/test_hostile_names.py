@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli
+from helpers import cli, run_python
 from trainer_saves import write_zero
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -207,3 +207,37 @@ def test_common_pt_args_that_contradict_the_tensors_are_refused(layers: int, tmp
     proc = cli(1, "consolidate", run, tmp_path / "out", timeout=TIMEOUT)[0]
     refused(proc, "the config derived from", "common.pt's args", f"num_hidden_layers is {layers}", "3 layers")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_end_record_cut_short_is_left_to_zipfile_to_refuse() -> None:
+    """The signature of the end record in the archive's last 21 bytes (a record cut short): no struct
+    error escapes the directory check; there is no directory to bound, and zipfile then says what is wrong."""
+    from mpicons.formats.zip_directory import check_directory
+
+    for data in (b"x" * 100 + b"PK\x05\x06" + b"\x00" * 3, b"PK\x05\x06", b"x" * 40 + b"PK\x05\x06" + b"\x00" * 30):
+        check_directory(lambda at, length, data=data: data[at : at + length], len(data), "cut.pt")
+
+
+def test_an_ordered_dict_built_from_pairs_weighs_its_keys_too() -> None:
+    """``OrderedDict([(key, value)])``: the pairs sit in a list, which the pre-scan does not hash, so the
+    stand-in takes only names and 8-byte integers as keys; a 2**40-step key is refused, not hashed."""
+    body = b"\x80\x02)\x940"
+    for level in range(1, 41):
+        body += b"h" + bytes([level - 1]) + b"h" + bytes([level - 1]) + b"\x86\x940"
+    body += b"ccollections\nOrderedDict\n](h" + bytes([40]) + b"K\x01\x86e\x85R."
+    code = (
+        "import sys\n"
+        "from mpicons.core.errors import InputError\n"
+        "from mpicons.formats.torch_archive import _ArchiveUnpickler\n"
+        "from mpicons.formats.unpickling import NOTHING, unpickle\n"
+        f"data = {body!r}\n"
+        "try:\n"
+        "    unpickle(data, _ArchiveUnpickler, 'bomb.pt', 'its data.pkl', NOTHING)\n"
+        "except InputError as exc:\n"
+        "    print(exc)\n"
+    )
+    proc = run_python("-c", code, timeout=60)
+    assert proc.returncode == 0 and "OrderedDict of" in proc.stdout, proc.stdout + proc.stderr
+    plain = "from mpicons.formats.torch_archive import _ordered_dict\nfrom mpicons.formats.unpickling import Budget\n"
+    plain += "print(dict(_ordered_dict(Budget(100), [('a', 1), (2, 3)])))\n"
+    assert run_python("-c", plain).stdout.strip() == "{'a': 1, 2: 3}"

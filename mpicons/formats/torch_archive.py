@@ -118,7 +118,10 @@ def _ordered_dict(budget: Budget, *args: object) -> StateDict:
         return StateDict()
     if len(args) == 1 and type(args[0]) is list and all(type(p) in (list, tuple) and len(p) == 2 for p in args[0]):
         budget.spend(len(args[0]))
-        return StateDict(args[0])
+        # The pre-scan weighs the keys of the dicts the pickle fills, not of pairs in a list: a key here
+        # must be as cheap to hash (a name, an integer of at most 8 bytes) before the dict hashes it.
+        if all(type(k) is str or (type(k) is int and -(1 << 63) <= k < 1 << 63) for k, _ in args[0]):
+            return StateDict(args[0])
     raise pickle.UnpicklingError(f"OrderedDict of {shown(args)}")
 
 

@@ -90,8 +90,8 @@ def _directory(read: Read, length: int) -> tuple[int, int] | None:
     span = min(length, _EOCD.size + _MAX_COMMENT)
     end = read(length - span, span)
     at = end.rfind(b"PK\x05\x06")
-    while at >= 0 and at + _EOCD.size + _EOCD.unpack_from(end, at)[7] != len(end):
-        at = end.rfind(b"PK\x05\x06", 0, at)  # a signature inside the comment
+    while at >= 0 and not _ends_the_file(end, at):
+        at = end.rfind(b"PK\x05\x06", 0, at)  # a signature inside the comment, or a truncated record
     if at < 0:
         return None
     size, offset = _EOCD.unpack_from(end, at)[5:7]
@@ -105,6 +105,11 @@ def _directory(read: Read, length: int) -> tuple[int, int] | None:
     if offset + size > eocd:
         return None
     return offset, size
+
+
+def _ends_the_file(end: bytes, at: int) -> bool:
+    """Whether an end record starting at ``at`` is whole and its comment reaches exactly to the end."""
+    return at + _EOCD.size <= len(end) and at + _EOCD.size + _EOCD.unpack_from(end, at)[7] == len(end)
 
 
 def _entries(read: Read, offset: int, size: int) -> Iterator[tuple[bytes, int]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
@@ -30,7 +29,6 @@ from .stats import PhaseClock, Stats, reduce_stats
 if TYPE_CHECKING:
     from ..io.assets import HFAssets
 
-log = logging.getLogger("mpicons")
 
 __all__ = ["consolidate", "ConsolidateResult", "Options", "load_mapping", "DEFAULT_BUFFER_SIZE", "FORMATS"]
 
