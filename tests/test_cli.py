@@ -75,6 +75,8 @@ def test_every_consolidate_option_is_passed_on():
             "--expect-ranks",
             "8",
             "--main-params",
+            "--lora",
+            "adapter",
         ]
     )
     options = job_options(args)
@@ -101,6 +103,7 @@ def test_every_consolidate_option_is_passed_on():
         s3_part_size=16 << 20,
         expect_ranks=8,
         main_params=True,
+        lora="adapter",
         sync=False,
         progress=3.0,
         verbose=True,

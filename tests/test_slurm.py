@@ -222,7 +222,7 @@ def test_submit_script_submits_training_then_the_dependent_consolidation(tmp_pat
         ({"MPICONS_VENV": "/nonexistent/venv"}, [], "set MPICONS_VENV"),
         ({"MPICONS_LAUNCH": "no-such-launcher"}, [], "launcher 'no-such-launcher' not found"),
         ({}, ["--break"], "did you mean --break-lock?"),
-        ({}, ["--dtype", "fp8"], "invalid choice: 'fp8'"),
+        ({}, ["--dtype", "fp4"], "invalid choice: 'fp4'"),
     ],
 )
 def test_submit_script_checks_everything_before_submitting_training(tmp_path, env, args, message):

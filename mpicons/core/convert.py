@@ -23,7 +23,7 @@ def converted_dtype(source: str, target: str | None) -> str:
         return source
     check_choice(target, DTYPES, "--dtype")
     kind = DTYPE_BY_NAME[source]
-    if not kind.is_float or kind.bits % 8:
+    if not kind.is_float or kind.bits % 8 or target not in TARGETS:  # fp8: only what the plan quantizes
         return source
     return TARGETS[target]
 

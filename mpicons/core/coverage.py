@@ -14,6 +14,7 @@ from .problems import Hole, Problems
 from .reports import Problem, count_of
 from .safetensors_codec import DTYPE_BY_NAME
 from .table import Pieces
+from .values import Computed
 
 #: Above this many grid cells a tensor's coverage is checked pairwise instead of on a grid.
 MAX_GRID_CELLS = 1 << 24
@@ -68,6 +69,7 @@ def check_coverage(layout: Layout, part: Part, problems: Problems) -> None:
         np.logical_and.at(ok, item_of_piece, ~gap)
     ok &= np.bincount(item_of_piece, minlength=len(part.items)) > 0
     ok |= np.prod(storage[item_tensor], axis=1) == 0
+    ok |= np.array([isinstance(layout.tensors[t].value, Computed) for t in item_tensor.tolist()], dtype=bool)  # no pieces
     for i in np.flatnonzero(~ok):
         item = part.items[i]
         _check_item(layout, part, item, problems)

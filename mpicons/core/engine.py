@@ -16,11 +16,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .blocks import MIN_BLOCK, Block, blocks, segment_bytes
+from .blocks import MIN_BLOCK, Block, Segment, blocks, segment_bytes
 from .convert import convert, numpy_dtype
-from .layout import Layout
+from .layout import Layout, Tensor
 from .parts import Part
 from .runs import MAX_RUNS, Runs, Transpose, runs_of
+from .values import apply_value
 
 #: Runs at least this long are copied one by one (a slice copy costs about a microsecond, so the loop
 #: adds at most half to the copying); shorter ones go in one numpy gather per block.
@@ -203,12 +204,26 @@ class Assembler:
             size_in, size_out = segment_bytes(self.layout, segment)
             source = assembled[position_in : position_in + size_in]
             target = output[position_out : position_out + size_out]
-            if tensor.converting:
+            if tensor.value is not None:
+                self._apply(tensor, segment, source, target)
+            elif tensor.converting:
                 convert(source.view(numpy_dtype(tensor.source_dtype)), target.view(numpy_dtype(tensor.dtype)))
             else:
                 target[:] = source
             position_in += size_in
             position_out += size_out
+
+    def _apply(self, tensor: Tensor, segment: Segment, source: np.ndarray, target: np.ndarray) -> None:
+        """The segment's values through the tensor's value op (a 2-D tensor: rows, or a stretch of one row)."""
+        assert tensor.value is not None and self.part.auxiliary is not None, tensor.name
+        width = tensor.storage[1]
+        if segment.prefix:
+            rows, cols = (segment.prefix[0], segment.prefix[0] + 1), (segment.row_begin, segment.row_end)
+        else:
+            rows, cols = (segment.row_begin, segment.row_end), (0, width)
+        values = source.view(numpy_dtype(tensor.source_dtype)).reshape(rows[1] - rows[0], cols[1] - cols[0])
+        result = apply_value(tensor.value, values, rows, cols, self.part.auxiliary)
+        convert(result.reshape(-1), target.view(numpy_dtype(tensor.dtype)))
 
 
 _UNIT_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

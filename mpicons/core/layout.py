@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .names import SINGLE_FILE_NAME
+from .values import ValueOp
 
 #: What Hugging Face ``save_pretrained`` writes; transformers refuses files without it.
 OUTPUT_METADATA = {"format": "pt"}
@@ -47,6 +48,8 @@ class Tensor:
     #: None: the output is ``storage`` in C order. Else output dim ``k`` is storage dim ``axes[k]``
     #: (a model adapter's rotary row order); ``axes[0] == 0`` always, so rows stay rows.
     axes: tuple[int, ...] | None = None
+    #: What the values become on the way (dequantized, a LoRA merged), or None: see :mod:`.values`.
+    value: ValueOp | None = None
 
     def __post_init__(self) -> None:
         if not self.source_dtype:
@@ -77,7 +80,7 @@ class Tensor:
 
     @property
     def converting(self) -> bool:
-        return self.source_dtype != self.dtype
+        return self.source_dtype != self.dtype or self.value is not None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,8 @@ BACKENDS = ("posix", "mpiio")
 FORMATS = ("safetensors", "hdf5")
 #: ``--dtype`` choices and the safetensors dtype each converts floating-point tensors to.
 DTYPE_TARGETS = {"bf16": "BF16", "fp16": "F16", "fp32": "F32"}
-DTYPES = tuple(DTYPE_TARGETS)
+#: ``fp8``: the decoder layers' linear weights block-quantized to E4M3 with their scales (the rest as saved).
+DTYPES = (*DTYPE_TARGETS, "fp8")
 DEFAULT_BUFFER_SIZE = 32 << 20
 #: The command line's seconds between progress reports (the library is silent unless asked).
 DEFAULT_PROGRESS_SECONDS = 10.0
@@ -108,7 +109,10 @@ class Options:
     )
     verbose: bool = _option(False, "Progress lines name the slowest rank.")
     dtype: str | None = _option(
-        None, f"{_listed(DTYPES)}: convert floating-point tensors (round to nearest even); None: as saved."
+        None,
+        f"{_listed(DTYPES)}: convert floating-point tensors (round to nearest even); block-FP8 weights (beside "
+        "their ``_scale_inv``) are dequantized. ``fp8``: the decoder layers' 2-D linear weights are quantized to "
+        "E4M3 with a float32 scale per 128×128 block, the rest kept as saved. None: as saved.",
     )
     max_shard_size: int | None = _option(
         None, "Re-shard like Hugging Face: files filled in order up to this many bytes (``5GB`` = 5·10⁹)."
@@ -165,6 +169,13 @@ class Options:
     )
     keep_dtype: tuple[str, ...] = _option(
         (), "Glob patterns (on the output name): with ``dtype``, tensors matching one keep their saved dtype."
+    )
+    lora: str | os.PathLike[str] | None = _option(
+        None,
+        "A peft LoRA adapter folder (``adapter_config.json``, ``adapter_model.safetensors``) merged into the base "
+        "model the input holds, as peft's ``merge_and_unload`` does (in float32, rounded once); a folder with "
+        "``adapter_config.json`` alone gives the alpha of LoRA weights the checkpoint itself holds. None: LoRA "
+        "weights the checkpoint holds are merged with the alpha its trainer recorded (verl's ``lora_train_meta.json``).",
     )
     s3_endpoint: str | None = _option(
         None,
@@ -275,6 +286,7 @@ class Selection:
     hf_assets: str | os.PathLike[str] | None
     model_type: str | None
     expect_ranks: int | None
+    lora: str | os.PathLike[str] | None
 
 
 @dataclass(frozen=True)

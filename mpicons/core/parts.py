@@ -11,6 +11,7 @@ import numpy as np
 
 from .layout import WorkItem
 from .table import Pieces
+from .values import Auxiliary
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class Part:
     repeated: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     #: Per source file: one repeated piece (tensor, offset, shape, original file) for the message.
     examples: dict[int, tuple[int, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=dict)
+    #: The small tensors the layout's value ops read (scales, LoRA weights), when any tensor has one.
+    auxiliary: Auxiliary | None = None
 
     def tensor_pieces(self, t: int) -> Pieces:
         return self.pieces.take(slice(int(self.start[t]), int(self.start[t + 1])))

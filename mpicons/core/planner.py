@@ -22,6 +22,8 @@ from .reports import Problem, count_of
 from .safetensors_codec import DTYPE_BY_NAME, DTYPE_ORDER, DTYPES, build_header
 from .split import SPLITS, split_work
 from .table import ShardFiles
+from .value_plan import SCALE_SUFFIX
+from .values import Computed, Quantize, ValueOp
 
 #: Hugging Face's default ``max_shard_size`` ("5GB", 10⁹ bytes a GB): the sharding of inputs that name no files.
 HF_MAX_SHARD_SIZE = 5 * 10**9
@@ -218,17 +220,36 @@ def _layout(tensors: list[Tensor], assignment: list[str]) -> tuple[list[Tensor],
     return placed, files
 
 
-def _converted(tensor: Tensor, target: str | None, keep: Sequence[str] = ()) -> Tensor:
+def _with_computed(
+    tensors: list[Tensor],
+    assignment: list[str],
+    saved_order: np.ndarray | None,
+    computed: Mapping[str, tuple[str, tuple[int, ...]]],
+) -> tuple[list[Tensor], list[str], np.ndarray | None]:
+    """The tensors with the computed ones after them, each in the file of the tensor it follows (and
+    saved right after it)."""
+    position = {t.name: i for i, t in enumerate(tensors)}
+    follows = [position[weight] for weight, _ in computed.values()]
+    extra = [Tensor(name, "F32", shape, shape, 4, value=Computed(name)) for name, (_, shape) in computed.items()]
+    order = None
+    if saved_order is not None:
+        order = np.concatenate(
+            [np.asarray(saved_order, dtype=np.int64) * 2, np.asarray(saved_order, dtype=np.int64)[follows] * 2 + 1]
+        )
+    return tensors + extra, assignment + [assignment[t] for t in follows], order
+
+
+def _converted(tensor: Tensor, target: str | None, keep: Sequence[str] = (), value: ValueOp | None = None) -> Tensor:
+    if value is not None:
+        tensor = replace(tensor, value=value)
+    if isinstance(value, Quantize):
+        return replace(tensor, dtype="F8_E4M3", unit=1)
     if keep and keep_dtype_matches(tensor.name, keep):
         return tensor
     dtype = converted_dtype(tensor.dtype, target)
     if dtype == tensor.dtype:
         return tensor
     return replace(tensor, dtype=dtype, unit=DTYPE_BY_NAME[dtype].bits // 8)
-
-
-#: What block-FP8 checkpoints (DeepSeek-V3's layout) call a weight's scales: ``<weight>_scale_inv``.
-SCALE_SUFFIX = "_scale_inv"
 
 
 def _check_scaled_casts(tensors: list[Tensor], problems: Problems) -> None:
@@ -240,10 +261,9 @@ def _check_scaled_casts(tensors: list[Tensor], problems: Problems) -> None:
         if scales is None or not weight.source_dtype.startswith("F8") or not (weight.converting or scales.converting):
             continue
         message = (
-            f"tensor {weight.name!r} is block-quantized FP8 (its scales are {scales.name!r}): --dtype would cast its "
-            "values without their scales, a model that loads and gives wrong answers. mpicons does not dequantize "
-            "yet: leave out --dtype (the FP8 checkpoint is consolidated exactly), or keep the FP8 weights and their "
-            f"scales as they are with --keep-dtype (a pattern for each, such as '*{SCALE_SUFFIX}')"
+            f"tensor {weight.name!r} is block-quantized FP8 (its scales are {scales.name!r}): --keep-dtype keeps one "
+            "of the two and --dtype casts the other, a model that loads and gives wrong answers: keep both with "
+            f"--keep-dtype (a pattern for each, such as '*{SCALE_SUFFIX}'), or neither (the weight is dequantized)"
         )
         problems.add(Problem(message, weight.name, kind="quantized"), position)
 
@@ -263,12 +283,16 @@ def build_layout(
     gather_to: int | None = None,
     views: Mapping[int, View] | None = None,
     keep_dtype: Sequence[str] = (),
+    values: Mapping[str, ValueOp] | None = None,
+    computed: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
 ) -> Layout:
     """The layout for ``ranks`` writers. With strict ``problems`` (the default) the first problem is
     raised as InputError naming the tensor and files; otherwise problems are collected and a
     layout is still returned (broken tensors keep the first piece's dtype and the extent as shape).
     ``gather_to`` gives all the work to that rank (see :func:`split_work`); ``views`` are a model
-    adapter's (see :func:`tensor_table`); tensors whose name matches a ``keep_dtype`` glob are not converted."""
+    adapter's (see :func:`tensor_table`); tensors whose name matches a ``keep_dtype`` glob are not converted;
+    ``values``: the value op of each tensor that has one (:mod:`.value_plan`); ``computed``: float32 tensors
+    no piece holds (name → the tensor they follow, their shape), in that tensor's file right after it."""
     problems = Problems(strict=True) if problems is None else problems
     if mapping is not None and max_shard_size is not None:
         problems.add(Problem("--mapping and --max-shard-size both decide the output files: give one", kind="options"))
@@ -280,9 +304,12 @@ def build_layout(
     if max_shard_size is not None and max_shard_size <= 0:
         raise InputError(f"--max-shard-size must be positive (got {max_shard_size})")
     check_files(files, mapping, problems)
-    tensors = [_converted(t, dtype, keep_dtype) for t in tensor_table(files, names, facts, problems, views)]
+    ops = values or {}
+    tensors = [_converted(t, dtype, keep_dtype, ops.get(t.name)) for t in tensor_table(files, names, facts, problems, views)]
     _check_scaled_casts(tensors, problems)
     assignment = _assign_files(files, tensors, facts, mapping, problems)
+    if computed:
+        tensors, assignment, saved_order = _with_computed(tensors, assignment, saved_order, computed)
     if max_shard_size is not None:
         assignment = _pack_shards(tensors, assignment, max_shard_size, saved_order)
     tensors, out_files = _layout(tensors, assignment)

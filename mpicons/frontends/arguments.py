@@ -342,12 +342,24 @@ def _add_selection_options(cmd: argparse.ArgumentParser) -> None:
         help="the checkpoint was saved by N training ranks: its shard files must come from exactly those "
         "(catches a checkpoint missing its last rank's files, which DCP's Hugging Face layout cannot show)",
     )
+    _add_value_options(cmd)
+
+
+def _add_value_options(cmd: argparse.ArgumentParser) -> None:
+    """What the values become on the way: kept out of ``--dtype``, a LoRA adapter merged."""
     cmd.add_argument(
         "--keep-dtype",
         action="append",
         default=[],
         metavar="GLOB",
         help="with --dtype: tensors whose output name matches GLOB keep their saved dtype (repeatable)",
+    )
+    cmd.add_argument(
+        "--lora",
+        metavar="DIR",
+        help="merge this peft LoRA adapter (adapter_config.json, adapter_model.safetensors) into the base model read "
+        "from the input, exactly as peft's merge_and_unload; a folder with adapter_config.json alone gives the "
+        "alpha of LoRA weights the checkpoint holds (docs/lora-fp8.md)",
     )
 
 
@@ -362,6 +374,7 @@ def selection(args: argparse.Namespace) -> dict[str, Any]:
         "model_type": args.model_type,
         "hf_assets": args.hf_assets,
         "keep_dtype": tuple(args.keep_dtype),
+        "lora": args.lora,
         "s3_endpoint": args.s3_endpoint,
         "expect_ranks": args.expect_ranks,
     }
@@ -370,7 +383,12 @@ def selection(args: argparse.Namespace) -> dict[str, Any]:
 def _add_job_options(cmd: argparse.ArgumentParser) -> None:
     """``consolidate``'s options: what to make of the checkpoint, then how to run (:func:`_add_run_options`)."""
     cmd.add_argument("--mapping", metavar="FILE", help=_MAPPING_HELP)
-    cmd.add_argument("--dtype", choices=DTYPES, help="convert floating-point tensors (round to nearest even)")
+    cmd.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="convert floating-point tensors (round to nearest even); block-FP8 weights are dequantized; fp8: "
+        "the decoder layers' linear weights quantized to E4M3 with a scale per 128x128 block (docs/lora-fp8.md)",
+    )
     _add_selection_options(cmd)
     cmd.add_argument(
         "--format",

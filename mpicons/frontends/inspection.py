@@ -285,12 +285,12 @@ def inspect(
     begun = start(comm, input_dir, options)
     adapter, problems = begun.adapter, Problems(strict=False)
     # Tensors with pieces the scan cannot read are listed as problems, each of them, not raised.
-    scanned, saved_names = scan_selected(comm, begun, options, problems=problems)
-    mapping = mapping_of(options, begun.mapping, scanned, adapter)
+    scanned, saved_names, values = scan_selected(comm, begun, options, problems=problems)
+    mapping = mapping_of(options, begun.mapping, scanned, adapter, values)
     position = {name: t for t, name in enumerate(scanned.names)}
     for name in sorted(scanned.unreadable):
         problems.add(Problem(scanned.unreadable[name], name, kind="unreadable"), position[name])
-    layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, problems))
+    layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, problems, values=values))
     verdict = judge(comm, layout_tensors(layout), adapter.model, whole=not (options.include or options.exclude))
     for t, problem in verdict.problems():
         problems.add(problem, t)
@@ -390,10 +390,10 @@ def describe(
             info.name,
             info.dtype,
             info.shape,
-            int(facts.count[t]),
+            int(facts.count[t]) if t < len(facts.count) else 0,  # a computed tensor (FP8 scales) has no piece
             layout.files[info.file].name,
             info.nbytes,
-            int(kept[t]) if planned else None,
+            (int(kept[t]) if t < len(kept) else 0) if planned else None,
             problems.by_tensor[t].message if t in problems.by_tensor else None,
         )
         for t, info in enumerate(layout.tensors)

@@ -38,6 +38,7 @@ from ..job.model_check import judge, layout_tensors
 from ..job.pipeline import Start, check_buffer_fits, check_views, scan_selected
 from ..job.scan import Scanned, open_sources
 from ..job.shares import distribute
+from ..job.values_setup import auxiliary, read_lora
 from ..trainers import known_rule_sets
 from .output_reading import MAX_INDEX_SIZE, OutputFiles, check_file, list_output, open_regular
 from .verify_checks import Diff, FileResult, Listing, Located, VerifyReport, against_checks, cross_check, diff_problems
@@ -251,9 +252,8 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
     output_dir, located = checked.output_dir, checked.located
     adapter = load_adapter(comm, options, against)
     found = Problems(strict=False)  # a wrong --expect-ranks; the shards' tensors as the adapter makes them
-    scanned, _ = scan_selected(
-        comm, Start(against, adapter.directory(against), None, adapter), options, problems=found, listing=False
-    )
+    begun = Start(against, adapter.directory(against), None, adapter, read_lora(comm, options))
+    scanned, _, values = scan_selected(comm, begun, options, problems=found, listing=False)
     views = None if scanned.conversion is None else scanned.conversion.views()
     layout = agree(
         comm,
@@ -265,10 +265,13 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
             dtype=options.dtype,
             views=views,
             keep_dtype=options.keep_dtype,
+            values=values.plan.ops,
+            computed=values.plan.computed,
         ),
     )
     part = distribute(comm, scanned, layout)
     check_views(comm, layout, part, options)
+    part.auxiliary = auxiliary(comm, values, options.buffer_size)
     comparable, problems = against_checks(
         layout, against, output_dir, checked.listing, checked.results, located, known_rule_sets()
     )

@@ -24,7 +24,7 @@ import json
 import os
 import stat
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.errors import InputError, WriteError
@@ -264,6 +264,11 @@ def config_with_dtype(config: dict[str, Any], dtype: str) -> dict[str, Any]:
     torch_name = DTYPE_BY_NAME[dtype].torch
     keys = [key for key in DTYPE_KEYS if key in config] or list(DTYPE_KEYS)
     return {**config, **dict.fromkeys(keys, torch_name)}
+
+
+def with_config(assets: HFAssets, config: dict[str, Any]) -> HFAssets:
+    """``assets`` publishing ``config`` as their ``config.json`` (one the job changed: FP8 dequantized)."""
+    return replace(assets, config=config, config_bytes=render_config(config))
 
 
 def render_config(config: dict[str, Any]) -> bytes:

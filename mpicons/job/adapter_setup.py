@@ -260,12 +260,15 @@ def checkpoint_at(path: str) -> Found | None:
     return None
 
 
-def _settled(options: Options, found: Found | None, chosen: Trainer | None) -> Settled:
-    """The assets (``--hf-assets``, else those saved with the checkpoint), and the config as the adapter's
-    trainer (or, under a rule file, the input's) settles it."""
+def _settled(options: Options, found: Found | None, chosen: Trainer | None, input_dir: str | None = None) -> Settled:
+    """The assets (``--hf-assets``, else those saved with the checkpoint, else the input's own when it is a
+    Hugging Face model folder), and the config as the adapter's trainer (or, under a rule file, the input's)
+    settles it."""
     from ..io.assets import read_assets
 
     saved = None if found is None or options.hf_assets is not None else found.assets
+    if found is None and options.hf_assets is None and _model_folder(input_dir):
+        saved = input_dir
     where = os.fspath(options.hf_assets) if options.hf_assets is not None else saved
     assets = None if where is None else read_assets(where, options.s3_endpoint)
     asked = options.adapter is not None and options.adapter != NO_ADAPTER
@@ -280,6 +283,19 @@ def _settled(options: Options, found: Found | None, chosen: Trainer | None) -> S
         return Settled(assets)
     mine = found if found is not None and found.trainer == settler.name else None
     return settler.settle_config(mine, assets, options.model_type)
+
+
+def _model_folder(input_dir: str | None) -> bool:
+    """Whether the input is a Hugging Face model folder (weights with their ``config.json``), whose files
+    are then published with what is made of it (dequantized, a LoRA merged)."""
+    if input_dir is None or "{rank}" in input_dir or is_s3(input_dir):
+        return False
+    try:
+        return os.path.isfile(os.path.join(input_dir, "config.json")) and any(
+            name.endswith(".safetensors") for name in os.listdir(input_dir)
+        )
+    except OSError:
+        return False
 
 
 def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, owner: int = 0) -> Adapter:
@@ -308,7 +324,7 @@ def load_adapter(comm: Comm, options: Options, input_dir: str | None = None, own
         if options.main_params:
             precision = f"converted to {options.dtype}" if options.dtype else "in fp32, as the optimizer keeps them"
             notes.append(f"--main-params: the weights are the optimizer's fp32 main parameters, written {precision}")
-        settled = _settled(options, found, chosen)
+        settled = _settled(options, found, chosen, input_dir)
         rules = None
         if chosen is not None:
             rules = chosen.choose_rules(settled.config)

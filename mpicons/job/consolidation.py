@@ -25,6 +25,7 @@ from .replicas import check_replicas
 from .s3_publish import S3Target
 from .scan import Scanned, open_store
 from .stats import PhaseClock, Stats, reduce_stats
+from .values_setup import published_assets
 
 if TYPE_CHECKING:
     from ..io.assets import HFAssets
@@ -141,17 +142,20 @@ def _run(comm: Comm, input_dir: str, target: Target, options: Options) -> Consol
             target.check(begun)
             store = open_store(comm, begun.directory, options.s3_endpoint)  # an s3:// input's access checked first
             notes = target.hold()
-            scanned, _ = scan_selected(comm, begun, options, store)
-            mapping = mapping_of(options, begun.mapping, scanned, begun.adapter)
+            scanned, _, values = scan_selected(comm, begun, options, store)
+            mapping = mapping_of(options, begun.mapping, scanned, begun.adapter, values)
             target.check_names(mapped_names(mapping))
         with clock("plan"):
-            layout, part = plan_job(comm, scanned, options, mapping, min_part=target.min_part, model=begun.adapter.model)
-            target.check_layout(layout, begun.adapter.assets)
+            layout, part = plan_job(
+                comm, scanned, options, mapping, min_part=target.min_part, model=begun.adapter.model, values=values
+            )
+            assets = published_assets(begun.adapter.assets, values)
+            target.check_layout(layout, assets)
         with clock("write"):
             check_replicas(comm, scanned, layout, part, options.buffer_size)
-            layout, written, moved, in_effect = target.write(scanned, layout, part, begun.adapter.assets)
+            layout, written, moved, in_effect = target.write(scanned, layout, part, assets)
         with clock("finalize"):
-            target.publish(layout, begun.adapter.assets)
+            target.publish(layout, assets)
             forget_pending()  # the checkpoint is complete: a signal now has nothing left to stop
     except BaseException as exc:
         target.release(exc)

@@ -121,7 +121,7 @@ class DirectoryTarget:
                     assert session.staging is not None
                     from ..io.assets import stage_assets
 
-                    target = None if options.dtype is None else DTYPE_TARGETS[options.dtype]
+                    target = None if options.dtype is None else DTYPE_TARGETS.get(options.dtype)
                     staged = stage_assets(assets, session.staging, target, durable)
                 index = fmt.index(layout)
                 if index is not None:

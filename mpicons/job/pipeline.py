@@ -21,13 +21,15 @@ from ..core.errors import InputError
 from ..core.facts import NAMES_NO_OUTPUT
 from ..core.layout import Layout
 from ..core.machine import check_buffer_size, host_name
-from ..core.mapping import parse_mapping
+from ..core.mapping import FileMapping, parse_mapping
 from ..core.options import Options
 from ..core.parts import Part
 from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
 from ..core.problems import Problems
 from ..core.runs import check_saved_views
+from ..core.value_plan import LoraConfig
 from ..io.inputs import InputStore
+from ..io.lora_adapter import AdapterFolder
 from ..io.output_formats import output_format
 from ..io.s3_upload_plan import align_work
 from .adapter_setup import Adapter, assets_mapping, convert_scanned, load_adapter, plan_scanned
@@ -36,6 +38,7 @@ from .dropped import dropped_warnings
 from .model_check import ModelConfig, check_model_shapes
 from .scan import Scanned
 from .shares import distribute
+from .values_setup import Values, auxiliary, plan_values, read_lora
 
 
 def load_mapping(mapping: str | os.PathLike[str] | Mapping[str, object]) -> dict[str, str]:
@@ -62,13 +65,16 @@ class Start:
     directory: str  # the checkpoint's own (a run directory's iteration)
     mapping: dict[str, str] | None
     adapter: Adapter
+    lora: AdapterFolder | LoraConfig | None = None  # ``--lora``: a peft adapter folder, or its config alone
 
 
 def start(comm: Comm, input_dir: str, options: Options) -> Start:
-    """The mapping (read on rank 0) and the adapter (the trainers asked about the input), agreed."""
+    """The mapping and ``--lora``'s folder (read on rank 0) and the adapter (the trainers asked about the
+    input), agreed."""
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
+    lora = read_lora(comm, options)
     adapter = load_adapter(comm, options, input_dir)
-    return Start(input_dir, adapter.directory(input_dir), mapping, adapter)
+    return Start(input_dir, adapter.directory(input_dir), mapping, adapter, lora)
 
 
 def scan_selected(
@@ -78,9 +84,10 @@ def scan_selected(
     store: InputStore | None = None,
     problems: Problems | None = None,
     listing: bool | None = None,
-) -> tuple[Scanned, list[str]]:
+) -> tuple[Scanned, list[str], Values]:
     """The input scanned, its tensors selected (``--include``, ``--exclude``, ``--strip-prefix``) and, with
-    an adapter's rules, converted to Hugging Face's; also the saved names before the conversion.
+    an adapter's rules, converted to Hugging Face's; also the saved names before the conversion, and the
+    value ops planned on the tensors (dequantized, quantized, a LoRA merged: :mod:`.values_setup`).
 
     ``problems``: collect what is wrong instead of raising it (the scan then lists pieces it cannot read,
     and a wrong ``--expect-ranks`` is a problem); without it, what the dropped entries hold is read while
@@ -106,7 +113,8 @@ def scan_selected(
         if problems is None:
             conversion = replace(conversion, warnings=dropped_warnings(comm, scanned, conversion, options.buffer_size))
         scanned = convert_scanned(comm, scanned, rules, config, conversion)
-    return scanned, saved_names
+    scanned, values = agree(comm, lambda: plan_values(scanned, options, adapter.config, begun.lora))
+    return replace(scanned, notes=[*scanned.notes, *values.notes]), saved_names, values
 
 
 def check_expected_ranks(scanned: Scanned, expect: int | None) -> None:
@@ -116,11 +124,19 @@ def check_expected_ranks(scanned: Scanned, expect: int | None) -> None:
         raise InputError(problem.message)
 
 
-def mapping_of(options: Options, mapping: dict[str, str] | None, scanned: Scanned, adapter: Adapter) -> dict[str, str] | None:
-    """The output files' mapping: ``--mapping``, else the assets' index (unless ``--max-shard-size``), else None."""
-    if mapping is not None or options.max_shard_size is not None:
+def mapping_of(
+    options: Options, mapping: dict[str, str] | None, scanned: Scanned, adapter: Adapter, values: Values | None = None
+) -> dict[str, str] | None:
+    """The output files' mapping: ``--mapping``, else the assets' index (unless ``--max-shard-size``), else None;
+    without the tensors the value ops read and do not write (an FP8 weight's scales, an adapter's weights)."""
+    if mapping is None and options.max_shard_size is None:
+        mapping = assets_mapping(scanned.conversion, adapter.assets)
+    read_only = frozenset() if values is None else values.plan.read_only
+    if mapping is None or not read_only:
         return mapping
-    return assets_mapping(scanned.conversion, adapter.assets)
+    kept = {name: file for name, file in mapping.items() if name not in read_only}
+    source = getattr(mapping, "source", None)
+    return kept if source is None else FileMapping(kept, source)
 
 
 def layout_of(
@@ -131,6 +147,7 @@ def layout_of(
     problems: Problems | None = None,
     gather_to: int | None = None,
     min_part: int = 0,
+    values: Values | None = None,
 ) -> Layout:
     """The layout of what the scan found, for ``ranks`` writers and these options (pure); ``gather_to``
     gives all the work to that rank.
@@ -147,6 +164,8 @@ def layout_of(
         scanned.files, scanned.names, scanned.facts, ranks, mapping=mapping, split=options.split, dtype=options.dtype,
         max_shard_size=max_shard_size, saved_order=scanned.order, problems=problems, gather_to=gather_to,
         views=None if scanned.conversion is None else scanned.conversion.views(), keep_dtype=options.keep_dtype,
+        values=None if values is None else values.plan.ops,
+        computed=None if values is None else values.plan.computed,
     )  # fmt: skip
     if min_part:
         layout.work = align_work(layout, layout.work, min_part)
@@ -160,15 +179,19 @@ def plan_job(
     mapping: dict[str, str] | None,
     min_part: int = 0,
     model: ModelConfig | None = None,
+    values: Values | None = None,
 ) -> tuple[Layout, Part]:
     """The layout (the same on every rank) and this rank's checked part of the pieces; ``min_part``
     for an object-store output (see :func:`layout_of`); ``model``: the model's config, whose shapes are
     checked before the pieces move."""
-    layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, gather_to=options.gather_to, min_part=min_part))
+    gather_to = options.gather_to
+    layout = agree(comm, lambda: layout_of(scanned, comm.size, options, mapping, None, gather_to, min_part, values))
     check_model_shapes(comm, layout, model, whole=not (options.include or options.exclude))
     agree(comm, lambda: output_format(options.output_format).check(layout))
     part = distribute(comm, scanned, layout)
     check_views(comm, layout, part, options)
+    if values is not None:
+        part.auxiliary = auxiliary(comm, values, options.buffer_size)
     return layout, part
 
 

@@ -160,7 +160,7 @@ class S3Target:
         def commit() -> None:
             from ..io.assets import asset_bytes
 
-            target = None if self.publishing.dtype is None else DTYPE_TARGETS[self.publishing.dtype]
+            target = None if self.publishing.dtype is None else DTYPE_TARGETS.get(self.publishing.dtype)
             payloads = {} if assets is None else asset_bytes(assets, target)
             index = output_format(self.publishing.output_format).index(layout)
             with deferred():

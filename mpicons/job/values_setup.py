@@ -1,0 +1,291 @@
+"""The value ops of a job (:mod:`mpicons.core.value_plan`): planned from the scan, the options, the
+config and a ``--lora`` adapter; their small tensors read before the writing.
+
+Block FP8 with ``--dtype``: the scales are the checkpoint's tensors, read whole on every rank (4 bytes per
+128×128 block: 1/4096 of the FP8 weights). LoRA from ``--lora DIR``: a peft folder, memory-mapped, each
+rank reading the ``A`` and ``B`` of the module it writes. LoRA kept inside the checkpoint (peft's wrapped
+names, as a verl actor saves them): the base weights lose peft's ``base_model.model.`` and
+``.base_layer``; the LoRA weights are read whole on every rank (r × (in + out) per module).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from ..comm.agreement import Comm, agree, agree_on
+from ..core.convert import numpy_dtype
+from ..core.errors import InputError
+from ..core.facts import FACT_KEY
+from ..core.options import Options
+from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
+from ..core.safetensors_codec import DTYPES
+from ..core.value_plan import PEFT_PREFIX, LoraConfig, Shape, ValuePlan, fp8_plan, lora_module, lora_plan, quantize_plan
+from ..core.values import FP8_BLOCK, Quantize, block_amax, scales_of
+from ..io.assets import HFAssets, read_config, with_config
+from ..io.lora_adapter import CONFIG_FILE, VERL_META_FILE, AdapterFolder, AdapterTensors, lora_config, read_adapter
+from .exchange import feed_blocks
+from .scan import Scanned, open_sources
+from .shares import chosen, distribute, only
+
+#: What peft calls the wrapped base layer of a targeted module.
+BASE_LAYER = ".base_layer"
+
+
+@dataclass(frozen=True)
+class Values:
+    """A job's value ops: the plan, the checkpoint's tensors read for it (not written), the adapter folder,
+    and the config to publish instead of the assets' (None: as it is); one line each of what is done."""
+
+    plan: ValuePlan = field(default_factory=ValuePlan)
+    read: Scanned | None = None
+    adapter: AdapterFolder | None = None
+    config: dict[str, Any] | None = None
+    notes: tuple[str, ...] = ()
+    #: The checkpoint's weights whose block maxima are measured before the writing (``--dtype fp8``).
+    measure: Scanned | None = None
+
+
+def read_lora(comm: Comm, options: Options) -> AdapterFolder | LoraConfig | None:
+    """``--lora``'s folder, read on rank 0 and agreed: a peft adapter, or its config alone (for LoRA weights
+    the checkpoint holds)."""
+    lora = options.lora
+    if lora is None:
+        return None
+    path = os.fspath(lora)
+
+    def read() -> AdapterFolder | LoraConfig:
+        if os.path.isdir(path) and not os.path.exists(os.path.join(path, "adapter_model.safetensors")):
+            config_path = os.path.join(path, CONFIG_FILE)
+            if os.path.isfile(config_path):
+                return lora_config(read_config(config_path), config_path)
+        return read_adapter(path)
+
+    return agree_on(comm, 0, read)
+
+
+def plan_values(
+    scanned: Scanned, options: Options, config: dict[str, Any] | None, lora: AdapterFolder | LoraConfig | None
+) -> tuple[Scanned, Values]:
+    """The scan of the tensors written, and the value ops (pure: every rank computes the same)."""
+    scanned, merging = _lora_values(scanned, lora)
+    plan, notes = merging.plan, list(merging.notes)
+    published, measure = None, None
+    if options.dtype is not None:
+        shapes = _shapes(scanned)
+        if options.dtype == "fp8":
+            precision = quantize_plan(shapes, options.keep_dtype, _block(config))
+            done = f"quantized {len(precision.computed)} weights to block FP8 (E4M3, a float32 scale per block)"
+            quantization = {**FP8_CONFIG, "weight_block_size": list(_block(config))}
+            changed = None if config is None else {**config, "quantization_config": quantization}
+        else:
+            precision = fp8_plan(shapes, options.dtype, options.keep_dtype, _block(config))
+            done = f"dequantized {precision.dequantized} block-FP8 weights to {options.dtype}; their scales are not written"
+            changed = None if config is None else {k: v for k, v in config.items() if k != "quantization_config"}
+        if precision.ops:
+            plan = _joined(plan, precision)
+            notes.append(done)
+            published = changed
+            weights = [weight for weight, _ in precision.computed.values()]
+            measure = only(scanned, [scanned.names.index(w) for w in weights]) if weights else None
+    read = None
+    if plan.read_only & set(scanned.names):
+        index = {n: t for t, n in enumerate(scanned.names)}
+        read = only(scanned, [index[n] for n in sorted(plan.read_only & set(index))])
+        scanned = only(scanned, [t for t, n in enumerate(scanned.names) if n not in plan.read_only])
+    return scanned, Values(plan, read, merging.adapter, published, tuple(notes), measure)
+
+
+#: What ``--dtype fp8`` writes in the config (DeepSeek-V3's ``quantization_config``; the block from the plan).
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8"}
+
+
+def _joined(first: ValuePlan, second: ValuePlan) -> ValuePlan:
+    clash = sorted(set(first.ops) & set(second.ops))
+    if clash:
+        raise InputError(f"{clash[0]}: both FP8 and LoRA-merged: dequantize first, then merge")
+    return ValuePlan(
+        {**first.ops, **second.ops},
+        first.read_only | second.read_only,
+        second.dequantized,
+        first.merged,
+        first.replaced,
+        {**first.computed, **second.computed},
+    )
+
+
+def _lora_values(scanned: Scanned, lora: AdapterFolder | LoraConfig | None) -> tuple[Scanned, Values]:
+    """The LoRA merge: of the weights the checkpoint holds (peft's wrapped names), else of ``--lora``'s adapter."""
+    scanned, inside = _peft_wrapped(scanned)
+    if inside:
+        settings = lora if isinstance(lora, LoraConfig) else _trainer_lora_config(scanned)
+        shapes = _shapes(scanned)
+        base = {n: s for n, s in shapes.items() if n not in inside}
+        plan = lora_plan(base, {n: shapes[n] for n in inside}, settings, scanned.directory)
+        return scanned, Values(plan, notes=(f"merged LoRA into {plan.merged} weights (scaling from {settings.origin})",))
+    if isinstance(lora, AdapterFolder):
+        plan = replace(lora_plan(_shapes(scanned), lora.shapes(), lora.config, lora.directory), read_only=frozenset())
+        replaced = f", {plan.replaced} replaced (modules_to_save)" if plan.replaced else ""
+        return scanned, Values(
+            plan, adapter=lora, notes=(f"merged LoRA from {lora.directory} into {plan.merged} weights{replaced}",)
+        )
+    if isinstance(lora, LoraConfig):
+        raise InputError(f"{lora.origin}: the folder has no adapter_model.safetensors, and the checkpoint holds no LoRA weights")
+    return scanned, Values()
+
+
+def _block(config: dict[str, Any] | None) -> tuple[int, int]:
+    """``quantization_config.weight_block_size``: DeepSeek-V3's [128, 128] when the config names none."""
+    block = ((config or {}).get("quantization_config") or {}).get("weight_block_size")
+    if block is None:
+        return FP8_BLOCK
+    if not (
+        isinstance(block, list)
+        and len(block) == 2
+        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+    ):
+        raise InputError(f"config.json: quantization_config.weight_block_size is {block!r}, not two positive integers")
+    return (block[0], block[1])
+
+
+def _peft_wrapped(scanned: Scanned) -> tuple[Scanned, set[str]]:
+    """A checkpoint of a peft-wrapped model (``base_model.model.…``, ``.base_layer``, ``lora_A.default``):
+    renamed to the base's names and the LoRA parameters' (adapter name removed); and the LoRA parameters."""
+    names = scanned.names
+    if not names or not all(n.startswith(PEFT_PREFIX) for n in names) or not any(lora_module(n) for n in names):
+        return scanned, set()
+    renamed, inside = [], set()
+    for name in names:
+        plain = name.removeprefix(PEFT_PREFIX)
+        found = lora_module(plain)
+        if found is not None:
+            module, kind = found
+            plain = f"{module}.{kind}" + ("" if kind == "lora_magnitude_vector" else ".weight")
+            inside.add(plain)
+        else:
+            plain = plain.replace(BASE_LAYER + ".", ".")
+        renamed.append(plain)
+    return chosen(scanned, list(range(len(names))), renamed, "peft's wrapped names"), inside
+
+
+def _trainer_lora_config(scanned: Scanned) -> LoraConfig:
+    """The alpha a trainer records beside the LoRA weights it keeps (verl's ``lora_train_meta.json``)."""
+    path = os.path.join(scanned.directory, VERL_META_FILE)
+    if not os.path.isfile(path):
+        raise InputError(
+            f"{scanned.directory}: holds LoRA weights but no {VERL_META_FILE}, so their lora_alpha is unknown: give the "
+            f"training's adapter config with --lora DIR (a folder with {CONFIG_FILE}: r, lora_alpha)"
+        )
+    return lora_config(read_config(path), path)
+
+
+def _shapes(scanned: Scanned) -> dict[str, Shape]:
+    facts = scanned.facts
+    ndim = (facts.ndim_first % FACT_KEY).astype(np.int64)
+    codes = (facts.dtype_first % FACT_KEY).astype(np.int64)
+    full = facts.extent if facts.declared is None else facts.declared
+    return {
+        name: Shape(DTYPES[int(codes[t])].name, tuple(int(x) for x in full[t][: ndim[t]])) for t, name in enumerate(scanned.names)
+    }
+
+
+def published_assets(assets: HFAssets | None, values: Values | None) -> HFAssets | None:
+    """The assets as published: with the config the value ops call for (no ``quantization_config`` once dequantized)."""
+    if assets is None or values is None or values.config is None:
+        return assets
+    return with_config(assets, values.config)
+
+
+class Gathered:
+    """The auxiliary tensors: the checkpoint's (whole, in memory) and an adapter folder's (memory-mapped)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], adapter: AdapterFolder | None) -> None:
+        self.arrays = arrays
+        self.adapter = None if adapter is None else AdapterTensors(adapter)
+
+    def whole(self, name: str) -> np.ndarray:
+        if name in self.arrays:
+            return self.arrays[name]
+        assert self.adapter is not None, name
+        return self.adapter.whole(name)
+
+    def rows(self, name: str, begin: int, end: int) -> np.ndarray:
+        if name in self.arrays:
+            return self.arrays[name][begin:end]
+        assert self.adapter is not None, name
+        return self.adapter.rows(name, begin, end)
+
+
+def auxiliary(comm: Comm, values: Values, buffer_size: int) -> Gathered | None:
+    """What the value ops read (collective): the checkpoint's tensors gathered whole onto every rank."""
+    if not values.plan.ops:
+        return None
+    arrays = {} if values.read is None else gather_whole(comm, values.read, buffer_size)
+    if values.measure is not None:
+        arrays.update(measure_scales(comm, values.measure, values.plan, buffer_size))
+    return Gathered(arrays, values.adapter)
+
+
+def measure_scales(comm: Comm, sub: Scanned, plan: ValuePlan, buffer_size: int) -> dict[str, np.ndarray]:
+    """Every quantized weight's block scales on every rank: each rank takes the block maxima of its share of
+    the rows, then one maximum over the ranks (a block's rows may be several ranks')."""
+    layout = agree(comm, lambda: build_layout(sub.files, sub.names, sub.facts, comm.size, max_shard_size=HF_MAX_SHARD_SIZE))
+    part = distribute(comm, sub, layout)
+    scales_name = {weight: name for name, (weight, _) in plan.computed.items()}
+    amax = {t: np.zeros(plan.computed[scales_name[tensor.name]][1], dtype=np.float32) for t, tensor in enumerate(layout.tensors)}
+
+    def take(block: Any, assembled: np.ndarray) -> None:
+        position = 0
+        for segment in block.segments:
+            tensor = layout.tensors[segment.tensor]
+            size = (segment.row_end - segment.row_begin) * (tensor.unit if segment.prefix else tensor.row_bytes)
+            op = plan.ops[tensor.name]
+            assert isinstance(op, Quantize)
+            if segment.prefix:
+                rows, cols = (segment.prefix[0], segment.prefix[0] + 1), (segment.row_begin, segment.row_end)
+            else:
+                rows, cols = (segment.row_begin, segment.row_end), (0, tensor.storage[1])
+            values = assembled[position : position + size].view(numpy_dtype(tensor.dtype)).reshape(rows[1] - rows[0], -1)
+            position += size
+            if values.size:
+                row_blocks, col_blocks, grid = block_amax(values, rows, cols, op.block)
+                np.maximum(amax[segment.tensor][row_blocks, col_blocks], grid, out=amax[segment.tensor][row_blocks, col_blocks])
+
+    sources = open_sources(sub)
+    try:
+        agree(comm, lambda: feed_blocks(comm, sub, layout, part, sources, buffer_size, take))
+    finally:
+        sources.close()
+    for array in amax.values():
+        comm.allreduce_array(array, "max")
+    return {scales_name[layout.tensors[t].name]: scales_of(array) for t, array in amax.items()}
+
+
+def gather_whole(comm: Comm, sub: Scanned, buffer_size: int) -> dict[str, np.ndarray]:
+    """Every tensor of ``sub`` whole in float32 on every rank: each rank assembles its share of the rows,
+    then one sum over the ranks (each byte is one rank's) gives everyone all of them."""
+    layout = agree(comm, lambda: build_layout(sub.files, sub.names, sub.facts, comm.size, max_shard_size=HF_MAX_SHARD_SIZE))
+    part = distribute(comm, sub, layout)
+    data = [np.zeros(f.size, dtype=np.uint8) for f in layout.files]
+
+    def keep(block: Any, assembled: np.ndarray) -> None:
+        data[block.file][block.offset : block.offset + block.size] = assembled[: block.size]
+
+    sources = open_sources(sub)
+    try:
+        agree(comm, lambda: feed_blocks(comm, sub, layout, part, sources, buffer_size, keep))
+    finally:
+        sources.close()
+    for array in data:
+        comm.allreduce_array(array, "sum")
+    result = {}
+    for tensor in layout.tensors:
+        raw = data[tensor.file][tensor.offset : tensor.offset + tensor.nbytes]
+        result[tensor.name] = raw.view(numpy_dtype(tensor.dtype)).reshape(tensor.shape).astype(np.float32)
+    return result
+
+
+__all__ = ["Gathered", "published_assets", "Values", "auxiliary", "gather_whole", "plan_values", "read_lora"]
