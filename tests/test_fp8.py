@@ -135,3 +135,10 @@ def test_quantized_then_dequantized_is_the_fp8_model_dequantized(tmp_path: Path)
     mpicons.consolidate(tmp_path / "fp8", tmp_path / "back", dtype="bf16", comm=SingleProcess())
     mpicons.consolidate(QUANTIZE / "expected-fp8", tmp_path / "reference", dtype="bf16", comm=SingleProcess())
     assert _output_tensors(tmp_path / "back") == _output_tensors(tmp_path / "reference")
+
+
+def test_verify_compares_with_the_input_quantized_the_same_way(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    mpicons.consolidate(QUANTIZE / "bf16", out, dtype="fp8", comm=SingleProcess())
+    report = mpicons.verify(out, against=QUANTIZE / "bf16", dtype="fp8", comm=SingleProcess())
+    assert report.ok and report.compared_tensors == 35, report.problems

@@ -127,3 +127,16 @@ def test_transformers_loads_the_merged_models(tmp_path: Path) -> None:
     groups.append((VERL / "expected-fp32", [out]))
     for report in transformers_reports(groups):
         assert report["equal"] and not report["missing_keys"] and not report["unexpected_keys"], report
+
+
+def test_verify_compares_with_the_base_merged_the_same_way(tmp_path: Path) -> None:
+    """``verify --against BASE --lora DIR`` passes on the merged output; without ``--lora`` every merged
+    weight is named as differing from the shards."""
+    case, out = CASES / "llama-dora", tmp_path / "out"
+    mpicons.consolidate(case / "base", out, lora=str(case / "adapter"), comm=SingleProcess())
+    merged = mpicons.verify(out, against=case / "base", lora=str(case / "adapter"), comm=SingleProcess())
+    assert merged.ok and merged.compared_tensors == 21, merged.problems
+    plain = mpicons.verify(out, against=case / "base", comm=SingleProcess())
+    assert sorted(p.tensor for p in plain.problems) == sorted(
+        name for name in _tensors(case / "base") if name.endswith("_proj.weight")
+    )

@@ -152,6 +152,11 @@ def _merge_op(
         raise InputError(
             f"{where}: targets {module}, whose weight {module}.weight the base model does not hold: is it this base's adapter?"
         )
+    if weight.dtype not in ("F64", "F32", "BF16", "F16"):
+        raise InputError(
+            f"{where}: targets {module}.weight, which is {weight.dtype}: merge into a bf16, fp16 or fp32 base "
+            "(a block-FP8 base: dequantize it first with --dtype bf16, then merge its output)"
+        )
     a, b = adapter[kinds["lora_A"]], adapter[kinds["lora_B"]]
     rows, cols = weight.shape if not config.fan_in_fan_out else weight.shape[::-1]
     if (
@@ -169,16 +174,31 @@ def _merge_op(
     alpha = _pattern_value(config.alpha_pattern, module, config.alpha)
     scaling = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
     magnitude = kinds.get("lora_magnitude_vector")
+    if magnitude is not None and config.fan_in_fan_out:
+        raise InputError(f"{where}: DoRA with fan_in_fan_out, which mpicons does not merge yet: merge with peft")
     if magnitude is not None and adapter[magnitude].shape != (rows,):
         raise InputError(f"{where}: {magnitude} has shape {list(adapter[magnitude].shape)}, not [{rows}]")
     return Merge(kinds["lora_A"], kinds["lora_B"], scaling, magnitude, config.fan_in_fan_out)
 
 
+#: What an ``alpha_pattern`` key may be: a module name with regex alternatives and wildcards, short, and
+#: with no quantified group (a pattern such as ``(a+)+`` takes exponential time to fail to match).
+_SAFE_PATTERN = re.compile(r"^[\w.\-^$|*+?()\[\]\\]{1,256}$")
+_NESTED_QUANTIFIER = re.compile(r"\)[*+?{]")
+
+
 def _pattern_value(patterns: Mapping[str, float], module: str, default: float) -> float:
     """peft's per-module override: the first pattern that is the module's name or matches its end (a regex)."""
     for pattern, value in patterns.items():
-        if pattern == module or re.match(rf"(.*\.)?({pattern})$", module):
+        if pattern == module:
             return float(value)
+        if not _SAFE_PATTERN.match(pattern) or _NESTED_QUANTIFIER.search(pattern):
+            raise InputError(f"alpha_pattern key {pattern[:80]!r}: not a module name or a simple pattern of one")
+        try:
+            if re.match(rf"(.*\.)?({pattern})$", module):
+                return float(value)
+        except re.error as exc:
+            raise InputError(f"alpha_pattern key {pattern!r}: not a regular expression ({exc})") from None
     return default
 
 

@@ -140,10 +140,44 @@ def merge_delta(op: Merge, rows: tuple[int, int], cols: tuple[int, int], aux: Au
     product first, then the scaling, as peft computes it."""
     a, b = aux.whole(op.a), aux.whole(op.b)
     if op.fan_in_fan_out:  # the weight is [in, out]: its rows are a's columns
-        product = (b[cols[0] : cols[1]] @ a[:, rows[0] : rows[1]]).T
+        product = _tiled_product(b, a, cols, rows).T
     else:
-        product = b[rows[0] : rows[1]] @ a[:, cols[0] : cols[1]]
+        product = _tiled_product(b, a, rows, cols)
     return product * np.float32(op.scaling)
+
+
+#: The product ``b @ a`` is computed in tiles of these many rows and columns at fixed places of the
+#: weight, whatever rows a block holds: BLAS may round an element differently in products of other shapes,
+#: and the output must not depend on the rank count or the buffer.
+PRODUCT_TILE = (128, 1 << 16)
+
+
+def _tiled_product(left: np.ndarray, right: np.ndarray, rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
+    """Rows ``[rows)`` and columns ``[cols)`` of ``left @ right``, each element from the same BLAS call
+    (its tile's) for any stretch asked: a stretch that cuts a tile costs the tile."""
+    (tile_rows, tile_cols), (height, width) = PRODUCT_TILE, (left.shape[0], right.shape[1])
+    out = np.empty((rows[1] - rows[0], cols[1] - cols[0]), dtype=np.float32)
+    for top in range(rows[0] // tile_rows * tile_rows, rows[1], tile_rows):
+        bottom = min(top + tile_rows, height)
+        for start in range(cols[0] // tile_cols * tile_cols, cols[1], tile_cols):
+            stop = min(start + tile_cols, width)
+            tile = _gemm(left[top:bottom], right[:, start:stop])
+            r0, r1, c0, c1 = max(top, rows[0]), min(bottom, rows[1]), max(start, cols[0]), min(stop, cols[1])
+            out[r0 - rows[0] : r1 - rows[0], c0 - cols[0] : c1 - cols[0]] = tile[r0 - top : r1 - top, c0 - start : c1 - start]
+    return out
+
+
+def _gemm(left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    """``left @ right`` through BLAS's matrix-matrix product whatever the shapes: with one row or one
+    column numpy takes the matrix-vector product, whose sums may round otherwise, so an element would
+    depend on how the rows fell into blocks (the rank count, the buffer). The matrix-matrix product sums
+    each element alike for any block (torch's, which peft merges with, too)."""
+    rows, cols = left.shape[0], right.shape[1]
+    if rows >= 2 and cols >= 2:
+        return left @ right
+    wide_left = np.concatenate([left, left[:1]]) if rows == 1 else left
+    wide_right = np.concatenate([right, right[:, :1]], axis=1) if cols == 1 else right
+    return (wide_left @ wide_right)[:rows, :cols]
 
 
 def _merged(op: Merge, values: np.ndarray, rows: tuple[int, int], cols: tuple[int, int], aux: Auxiliary) -> np.ndarray:

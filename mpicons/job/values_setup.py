@@ -106,7 +106,10 @@ FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp
 def _joined(first: ValuePlan, second: ValuePlan) -> ValuePlan:
     clash = sorted(set(first.ops) & set(second.ops))
     if clash:
-        raise InputError(f"{clash[0]}: both FP8 and LoRA-merged: dequantize first, then merge")
+        raise InputError(
+            f"{clash[0]}: --lora and --dtype fp8 both change it: merge in one run, then quantize the merged model "
+            "in another (--dtype fp8)"
+        )
     return ValuePlan(
         {**first.ops, **second.ops},
         first.read_only | second.read_only,
@@ -121,6 +124,11 @@ def _lora_values(scanned: Scanned, lora: AdapterFolder | LoraConfig | None) -> t
     """The LoRA merge: of the weights the checkpoint holds (peft's wrapped names), else of ``--lora``'s adapter."""
     scanned, inside = _peft_wrapped(scanned)
     if inside:
+        if isinstance(lora, AdapterFolder):
+            raise InputError(
+                f"{scanned.directory}: holds LoRA weights itself, and --lora {lora.directory} holds others: give "
+                f"--lora a folder with the training's {CONFIG_FILE} alone (for its lora_alpha), or the base model"
+            )
         settings = lora if isinstance(lora, LoraConfig) else _trainer_lora_config(scanned)
         shapes = _shapes(scanned)
         base = {n: s for n, s in shapes.items() if n not in inside}
