@@ -7,6 +7,7 @@ import os
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers import run_python
 
@@ -137,3 +138,56 @@ def test_planning_memory_is_the_ranks_share_of_the_pieces(mpi_tmp_path):
     results = comm.allgather((peak, len(part.pieces)))
     assert sum(n for _, n in results) == training_ranks * tensors  # every piece is in exactly one part here
     assert all(p <= bound for p, _ in results), f"peaks {[p for p, _ in results]} over the bound {bound:.0f} at {comm.size} ranks"
+
+
+def _sparse_file(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A plain safetensors file of zeros (a hole): what is measured is the memory, not the disk."""
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    position = 0
+    for name, (dtype, shape) in tensors.items():
+        nbytes = {"BF16": 2, "F32": 4, "F8_E4M3": 1}[dtype] * shape[0] * shape[1]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [position, position + nbytes]}
+        position += nbytes
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as handle:
+        handle.write(struct.pack("<Q", len(text)) + text)
+        handle.truncate(8 + len(text) + position)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["lora", "dequantize", "quantize"])
+def test_peak_rss_is_bounded_by_the_buffer_when_values_change(tmp_path, job):
+    """A 1 GiB weight merged with a rank-16 LoRA, dequantized from block FP8, quantized to it: the buffer
+    plus 100 MB, as a plain consolidation (the value ops work in chunks of rows)."""
+    from safetensors.numpy import save_file
+
+    rows, cols, name = 16_384, 32_768, "model.layers.0.mlp.up_proj.weight"
+    base, extra = tmp_path / "base", []
+    base.mkdir()
+    if job == "dequantize":
+        _sparse_file(base / "model.safetensors", {name: ("F8_E4M3", [rows * 2, cols]), name + "_scale_inv": ("F32", [256, 256])})
+        extra = ["--dtype", "bf16"]
+    else:
+        _sparse_file(base / "model.safetensors", {name: ("BF16", [rows, cols])})
+        extra = ["--dtype", "fp8"]
+    if job == "lora":
+        adapter = tmp_path / "adapter"
+        adapter.mkdir()
+        rng = np.random.default_rng(0)
+        module = f"base_model.model.{name.removesuffix('.weight')}"
+        save_file(
+            {
+                f"{module}.lora_A.weight": rng.random((16, cols), np.float32),
+                f"{module}.lora_B.weight": rng.random((rows, 16), np.float32),
+            },
+            adapter / "adapter_model.safetensors",
+        )
+        (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 16, "lora_alpha": 32}))
+        extra = ["--lora", adapter]
+    out = tmp_path / "out"
+    script = Path(__file__).parent / "scripts" / "peak_rss.py"
+    proc = run_python(script, "consolidate", base, out, "--buffer-size", "32M", "-q", *extra, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    peak = float(proc.stdout.split("PEAK_RSS_MB")[1].split()[0])
+    assert peak < 32 + 100, proc.stdout

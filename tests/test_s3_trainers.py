@@ -43,6 +43,12 @@ CASES = {
     "verl": ("verl/llama-fsdp2/checkpoint", {}, "verl/llama-fsdp2/expected-fp32/model.safetensors", "step 1 (named by"),
     "megatron": ("megatron/qwen3-pp2/checkpoint", {}, "megatron/qwen3-pp2/expected/model.safetensors", "iteration 10 (named by"),
     "accelerate": ("accelerate/checkpoint-2", {}, "accelerate/expected.safetensors", "'model.' prefix removed"),
+    "verl-lora": (  # merged, with the alpha of lora_train_meta.json read from the bucket
+        "lora/verl-llama-lora-fsdp2/checkpoint",
+        {},
+        "lora/verl-llama-lora-fsdp2/expected-fp32/model.safetensors",
+        "merged LoRA into 14 weights",
+    ),
 }
 
 

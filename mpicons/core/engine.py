@@ -222,8 +222,25 @@ class Assembler:
         else:
             rows, cols = (segment.row_begin, segment.row_end), (0, width)
         values = source.view(numpy_dtype(tensor.source_dtype)).reshape(rows[1] - rows[0], cols[1] - cols[0])
-        result = apply_value(tensor.value, values, rows, cols, self.part.auxiliary)
-        convert(result.reshape(-1), target.view(numpy_dtype(tensor.dtype)))
+        output = target.view(numpy_dtype(tensor.dtype)).reshape(values.shape)
+        for low, high in value_chunks(rows, cols[1] - cols[0]):
+            chunk = slice(low - rows[0], high - rows[0])
+            result = apply_value(tensor.value, values[chunk], (low, high), cols, self.part.auxiliary)
+            convert(result, output[chunk])
+
+
+#: A value op works on at most about this many elements at a time (its float32 temporaries are a few
+#: times 4 MB), in whole rows cut at fixed multiples of 128 rows (the LoRA product's tiles).
+VALUE_CHUNK = 1 << 20
+
+
+def value_chunks(rows: tuple[int, int], width: int) -> list[tuple[int, int]]:
+    """The rows ``[rows)`` in chunks of about :data:`VALUE_CHUNK` elements, cut at multiples of the chunk."""
+    step = max(1, VALUE_CHUNK // max(1, width))
+    if step >= 128:
+        step -= step % 128
+    cuts = sorted({rows[0], rows[1], *range(-(-rows[0] // step) * step, rows[1], step)})
+    return list(zip(cuts, cuts[1:]))
 
 
 _UNIT_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -43,6 +43,7 @@ class LoraConfig:
     alpha_pattern: Mapping[str, float] = field(default_factory=dict)
     fan_in_fan_out: bool = False
     origin: str = "adapter_config.json"
+    recorded: bool = False  # found in the checkpoint (a trainer's record), not given with --lora
 
 
 @dataclass(frozen=True)

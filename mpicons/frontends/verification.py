@@ -252,7 +252,8 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
     output_dir, located = checked.output_dir, checked.located
     adapter = load_adapter(comm, options, against)
     found = Problems(strict=False)  # a wrong --expect-ranks; the shards' tensors as the adapter makes them
-    begun = Start(against, adapter.directory(against), None, adapter, read_lora(comm, options))
+    directory = adapter.directory(against)
+    begun = Start(against, directory, None, adapter, read_lora(comm, options, directory))
     scanned, _, values = scan_selected(comm, begun, options, problems=found, listing=False)
     views = None if scanned.conversion is None else scanned.conversion.views()
     layout = agree(

@@ -72,9 +72,9 @@ def start(comm: Comm, input_dir: str, options: Options) -> Start:
     """The mapping and ``--lora``'s folder (read on rank 0) and the adapter (the trainers asked about the
     input), agreed."""
     mapping = agree_on(comm, 0, lambda: load_mapping(options.mapping) if options.mapping is not None else None)
-    lora = read_lora(comm, options)
     adapter = load_adapter(comm, options, input_dir)
-    return Start(input_dir, adapter.directory(input_dir), mapping, adapter, lora)
+    directory = adapter.directory(input_dir)
+    return Start(input_dir, directory, mapping, adapter, read_lora(comm, options, directory))
 
 
 def scan_selected(

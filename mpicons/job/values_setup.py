@@ -10,6 +10,7 @@ names, as a verl actor saves them): the base weights lose peft's ``base_model.mo
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,6 +28,9 @@ from ..core.value_plan import PEFT_PREFIX, LoraConfig, Shape, ValuePlan, fp8_pla
 from ..core.values import FP8_BLOCK, Quantize, block_amax, scales_of
 from ..io.assets import HFAssets, read_config, with_config
 from ..io.lora_adapter import CONFIG_FILE, VERL_META_FILE, AdapterFolder, AdapterTensors, lora_config, read_adapter
+from ..io.places import LocalPlace
+from ..io.s3 import is_s3
+from ..io.s3_sources import S3Place
 from .exchange import feed_blocks
 from .scan import Scanned, open_sources
 from .shares import chosen, distribute, only
@@ -49,12 +53,13 @@ class Values:
     measure: Scanned | None = None
 
 
-def read_lora(comm: Comm, options: Options) -> AdapterFolder | LoraConfig | None:
+def read_lora(comm: Comm, options: Options, directory: str | None = None) -> AdapterFolder | LoraConfig | None:
     """``--lora``'s folder, read on rank 0 and agreed: a peft adapter, or its config alone (for LoRA weights
-    the checkpoint holds)."""
+    the checkpoint holds); without it, the LoRA settings a trainer records in the checkpoint's ``directory``
+    (verl's ``lora_train_meta.json``), when it does."""
     lora = options.lora
     if lora is None:
-        return None
+        return None if directory is None else agree_on(comm, 0, lambda: _recorded_lora(directory, options.s3_endpoint))
     path = os.fspath(lora)
 
     def read() -> AdapterFolder | LoraConfig:
@@ -129,7 +134,9 @@ def _lora_values(scanned: Scanned, lora: AdapterFolder | LoraConfig | None) -> t
                 f"{scanned.directory}: holds LoRA weights itself, and --lora {lora.directory} holds others: give "
                 f"--lora a folder with the training's {CONFIG_FILE} alone (for its lora_alpha), or the base model"
             )
-        settings = lora if isinstance(lora, LoraConfig) else _trainer_lora_config(scanned)
+        if not isinstance(lora, LoraConfig):
+            raise _no_recorded_alpha(scanned)
+        settings = lora
         shapes = _shapes(scanned)
         base = {n: s for n, s in shapes.items() if n not in inside}
         plan = lora_plan(base, {n: shapes[n] for n in inside}, settings, scanned.directory)
@@ -140,7 +147,7 @@ def _lora_values(scanned: Scanned, lora: AdapterFolder | LoraConfig | None) -> t
         return scanned, Values(
             plan, adapter=lora, notes=(f"merged LoRA from {lora.directory} into {plan.merged} weights{replaced}",)
         )
-    if isinstance(lora, LoraConfig):
+    if isinstance(lora, LoraConfig) and not lora.recorded:
         raise InputError(f"{lora.origin}: the folder has no adapter_model.safetensors, and the checkpoint holds no LoRA weights")
     return scanned, Values()
 
@@ -179,15 +186,27 @@ def _peft_wrapped(scanned: Scanned) -> tuple[Scanned, set[str]]:
     return chosen(scanned, list(range(len(names))), renamed, "peft's wrapped names"), inside
 
 
-def _trainer_lora_config(scanned: Scanned) -> LoraConfig:
-    """The alpha a trainer records beside the LoRA weights it keeps (verl's ``lora_train_meta.json``)."""
-    path = os.path.join(scanned.directory, VERL_META_FILE)
-    if not os.path.isfile(path):
-        raise InputError(
-            f"{scanned.directory}: holds LoRA weights but no {VERL_META_FILE}, so their lora_alpha is unknown: give the "
-            f"training's adapter config with --lora DIR (a folder with {CONFIG_FILE}: r, lora_alpha)"
-        )
-    return lora_config(read_config(path), path)
+def _recorded_lora(directory: str, endpoint: str | None) -> LoraConfig | None:
+    """The LoRA settings a trainer records beside the weights (verl's ``lora_train_meta.json``), or None."""
+    place = S3Place.at(directory, endpoint) if is_s3(directory) else LocalPlace(directory)
+    if not place.is_file(VERL_META_FILE):
+        return None
+    label = f"{directory.rstrip('/')}/{VERL_META_FILE}"
+    text = place.read_small(VERL_META_FILE, "verl's LoRA settings")
+    try:
+        settings = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise InputError(f"{label}: not valid JSON ({exc})") from None
+    if not isinstance(settings, dict):
+        raise InputError(f"{label}: holds a JSON {type(settings).__name__}, not an object")
+    return replace(lora_config(settings, label), recorded=True)
+
+
+def _no_recorded_alpha(scanned: Scanned) -> InputError:
+    return InputError(
+        f"{scanned.directory}: holds LoRA weights but no {VERL_META_FILE}, so their lora_alpha is unknown: give the "
+        f"training's adapter config with --lora DIR (a folder with {CONFIG_FILE}: r, lora_alpha)"
+    )
 
 
 def _shapes(scanned: Scanned) -> dict[str, Shape]:
