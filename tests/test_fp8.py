@@ -142,3 +142,9 @@ def test_verify_compares_with_the_input_quantized_the_same_way(tmp_path: Path) -
     mpicons.consolidate(QUANTIZE / "bf16", out, dtype="fp8", comm=SingleProcess())
     report = mpicons.verify(out, against=QUANTIZE / "bf16", dtype="fp8", comm=SingleProcess())
     assert report.ok and report.compared_tensors == 35, report.problems
+
+
+def test_dtype_fp8_with_nothing_to_quantize_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="--dtype fp8 found no weight to quantize") as caught:
+        mpicons.consolidate(QUANTIZE / "bf16", tmp_path / "out", dtype="fp8", keep_dtype=("*",), comm=SingleProcess())
+    assert caught.value.exit_code == 2 and not (tmp_path / "out").exists()

@@ -83,6 +83,11 @@ def plan_values(
         shapes = _shapes(scanned)
         if options.dtype == "fp8":
             precision = quantize_plan(shapes, options.keep_dtype, _block(config))
+            if not precision.ops:
+                raise InputError(
+                    f"{scanned.directory}: --dtype fp8 found no weight to quantize (a 2-D bf16, fp16 or fp32 '.weight' "
+                    "of a decoder layer, '.layers.' in its name, that --keep-dtype does not keep)"
+                )
             done = f"quantized {len(precision.computed)} weights to block FP8 (E4M3, a float32 scale per block)"
             quantization = {**FP8_CONFIG, "weight_block_size": list(_block(config))}
             changed = None if config is None else {**config, "quantization_config": quantization}
@@ -94,8 +99,9 @@ def plan_values(
             plan = _joined(plan, precision)
             notes.append(done)
             published = changed
-            weights = [weight for weight, _ in precision.computed.values()]
-            measure = only(scanned, [scanned.names.index(w) for w in weights]) if weights else None
+            position = {name: t for t, name in enumerate(scanned.names)}
+            weights = [position[weight] for weight, _ in precision.computed.values()]
+            measure = only(scanned, weights) if weights else None
     read = None
     if plan.read_only & set(scanned.names):
         index = {n: t for t, n in enumerate(scanned.names)}
