@@ -6,6 +6,7 @@ would cast a weight or its scales without the other is refused, since the result
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -147,4 +148,16 @@ def test_verify_compares_with_the_input_quantized_the_same_way(tmp_path: Path) -
 def test_dtype_fp8_with_nothing_to_quantize_is_refused(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="--dtype fp8 found no weight to quantize") as caught:
         mpicons.consolidate(QUANTIZE / "bf16", tmp_path / "out", dtype="fp8", keep_dtype=("*",), comm=SingleProcess())
+    assert caught.value.exit_code == 2 and not (tmp_path / "out").exists()
+
+
+def test_a_block_size_the_scales_do_not_have_is_refused(tmp_path: Path) -> None:
+    """A config saying 64x64 blocks for scales of 128x128 ones would dequantize wrongly: exit 2 naming it."""
+    case = tmp_path / "fp8"
+    shutil.copytree(CASE.parent / "llama-h192-dequant" / "fp8", case)
+    config = json.loads((case / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [64, 64]
+    (case / "config.json").write_text(json.dumps(config))
+    with pytest.raises(InputError, match=r"weight_block_size is not the checkpoint's") as caught:
+        mpicons.consolidate(case, tmp_path / "out", dtype="bf16", comm=SingleProcess())
     assert caught.value.exit_code == 2 and not (tmp_path / "out").exists()

@@ -71,6 +71,13 @@ def fp8_plan(
             continue
         if keep_dtype_matches(name, keep) or converted_dtype(info.dtype, dtype) == info.dtype:
             continue
+        grid = (-(-info.shape[0] // block[0]), -(-info.shape[1] // block[1]))
+        if scales.shape != grid:
+            raise InputError(
+                f"tensor {name + SCALE_SUFFIX!r} has shape {list(scales.shape)}, but {name} {list(info.shape)} in "
+                f"{block[0]}x{block[1]} blocks has {list(grid)}: the config's quantization_config.weight_block_size "
+                "is not the checkpoint's (or the scales are another weight's)"
+            )
         ops[name] = Dequantize(name + SCALE_SUFFIX, block)
     return ValuePlan(ops, frozenset(op.scales for op in ops.values() if isinstance(op, Dequantize)), dequantized=len(ops))
 
