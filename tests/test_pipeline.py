@@ -27,6 +27,13 @@ INPUTS = {
     "deepspeed zero3": (FIXTURES / "deepspeed" / "llama-zero3" / "checkpoint", {}),
     "verl": (FIXTURES / "verl" / "llama-fsdp2" / "checkpoint", {}),
     "accelerate": (FIXTURES / "accelerate" / "checkpoint-2", {}),
+    "verl lora": (FIXTURES / "lora" / "verl-llama-lora-fsdp2" / "checkpoint", {}),
+    "peft lora": (
+        FIXTURES / "lora" / "llama-lmhead-saved" / "base",
+        {"lora": str(FIXTURES / "lora" / "llama-lmhead-saved" / "adapter")},
+    ),
+    "fp8 dequantized": (FIXTURES / "fp8" / "llama-h192-dequant" / "fp8", {"dtype": "bf16"}),
+    "fp8 quantized": (FIXTURES / "fp8" / "llama-h192-quantize" / "bf16", {"dtype": "fp8"}),
 }
 
 
