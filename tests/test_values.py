@@ -60,6 +60,12 @@ def test_an_all_zero_block_gets_scale_one() -> None:
     assert scales_of(amax).tolist() == [[1.0, 1.0], [np.float32(4.48) / np.float32(448), 1.0]]
 
 
+def _applied(op, values: np.ndarray, rows: tuple[int, int], cols: tuple[int, int], aux: _Aux) -> np.ndarray:
+    out = np.empty(values.shape, dtype=np.float32)
+    apply_value(op, values, rows, cols, aux, out)
+    return out
+
+
 @pytest.mark.parametrize("make", ["dequantize", "quantize", "merge", "dora"])
 def test_a_stretch_of_a_row_gives_what_the_whole_row_gives(make: str) -> None:
     """Rows larger than a block come to the ops in stretches (a prefix segment): each stretch must equal the
@@ -79,12 +85,26 @@ def test_a_stretch_of_a_row_gives_what_the_whole_row_gives(make: str) -> None:
         "dora": Merge("a", "b", 2.0, magnitude="m"),
     }
     op = ops[make]
-    whole = apply_value(op, weight, (0, 5), (0, 300), aux)
+    whole = _applied(op, weight, (0, 5), (0, 300), aux)
     if make == "dora":
         with pytest.raises(InputError, match="DoRA needs whole rows"):
-            apply_value(op, weight[2:3, 100:250], (2, 3), (100, 250), aux)
+            _applied(op, weight[2:3, 100:250], (2, 3), (100, 250), aux)
         return
-    assert np.array_equal(apply_value(op, weight[2:3, 100:250], (2, 3), (100, 250), aux), whole[2:3, 100:250])
+    assert np.array_equal(_applied(op, weight[2:3, 100:250], (2, 3), (100, 250), aux), whole[2:3, 100:250])
+
+
+def test_dequantized_and_quantized_values_follow_the_formulas() -> None:
+    """``float32(q) × s[i // 128, j // 128]`` and ``clamp(x / s, ±448)``, element by element, with partial
+    edge blocks and a region that starts inside a block."""
+    rng = np.random.default_rng(2)
+    weight = rng.standard_normal((300, 200)).astype(np.float32)
+    scales = rng.random((3, 2)).astype(np.float32) + 0.01
+    grid = scales[np.arange(300)[:, None] // 128, np.arange(200)[None, :] // 128]
+    aux = _Aux({"s": scales})
+    assert np.array_equal(_applied(Dequantize("s"), weight, (0, 300), (0, 200), aux), weight * grid)
+    assert np.array_equal(_applied(Quantize("s"), weight, (0, 300), (0, 200), aux), np.clip(weight / grid, -448, 448))
+    inner = _applied(Dequantize("s"), weight[100:260, 60:190], (100, 260), (60, 190), aux)
+    assert np.array_equal(inner, (weight * grid)[100:260, 60:190])
 
 
 def _fp32_base(tmp_path: Path) -> tuple[Path, Path]:

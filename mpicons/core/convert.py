@@ -8,6 +8,7 @@ round correctly from a single rounding, except float64 → bfloat16, which ml_dt
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -34,10 +35,10 @@ def numpy_dtype(name: str) -> np.dtype:
     return np.dtype(DTYPE_BY_NAME[name].numpy)
 
 
-def prepare_conversion(target: str | None) -> None:
-    """Load now what a conversion to ``target`` will need (ml_dtypes' bfloat16 and float8 types), so that
-    its import (0.5-2 s) is not counted as writing when the first block is converted: the job calls
-    this before its phases are timed."""
+def prepare_conversion(target: object | None) -> None:
+    """Load now what a conversion to ``target`` (or a merge: any value) will need (ml_dtypes' bfloat16 and
+    float8 types), so that its import (0.5-2 s) is not counted as writing when the first block is
+    converted: the job calls this before its phases are timed."""
     if target is not None:
         _register_ml_dtypes()
 
@@ -53,10 +54,29 @@ def _register_ml_dtypes() -> None:
 def convert(source: np.ndarray, target: np.ndarray) -> None:
     """Write ``source`` (any float dtype) into ``target`` (same shape) with round-to-nearest-even."""
     with np.errstate(over="ignore", invalid="ignore"):  # out of range is inf, NaN stays NaN: no warnings
-        if source.dtype == np.float64 and target.dtype == numpy_dtype("BF16"):
+        if target.dtype == np.float32 and source.dtype in (numpy_dtype("BF16"), numpy_dtype("F8_E4M3")):
+            to_float32(source, target)
+        elif source.dtype == np.float64 and target.dtype == numpy_dtype("BF16"):
             np.copyto(target, _float64_to_float32_round_to_odd(source), casting="unsafe")
         else:
             np.copyto(target, source, casting="unsafe")
+
+
+def to_float32(values: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """``values`` widened exactly into the float32 array ``out``: bfloat16 by a shift of its bits, E4M3 by a
+    table of its 256 values (several times faster than a cast through ml_dtypes), others by numpy."""
+    if values.dtype == numpy_dtype("BF16"):
+        np.left_shift(values.view(np.uint16), np.uint32(16), out=out.view(np.uint32), dtype=np.uint32)
+    elif values.dtype == numpy_dtype("F8_E4M3"):
+        np.take(_e4m3_values(), values.view(np.uint8), out=out)
+    else:
+        np.copyto(out, values, casting="unsafe")
+    return out
+
+
+@functools.cache
+def _e4m3_values() -> np.ndarray:
+    return np.arange(256, dtype=np.uint8).view(numpy_dtype("F8_E4M3")).astype(np.float32)
 
 
 def _float64_to_float32_round_to_odd(values: np.ndarray) -> np.ndarray:

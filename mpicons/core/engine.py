@@ -21,7 +21,7 @@ from .convert import convert, numpy_dtype
 from .layout import Layout, Tensor
 from .parts import Part
 from .runs import MAX_RUNS, Runs, Transpose, runs_of
-from .values import apply_value
+from .values import Merge, Scratch, apply_value, value_regions
 
 #: Runs at least this long are copied one by one (a slice copy costs about a microsecond, so the loop
 #: adds at most half to the copying); shorter ones go in one numpy gather per block.
@@ -140,6 +140,7 @@ class Assembler:
         self.source = np.empty(block_bytes + block_bytes // 4, dtype=np.uint8)
         self.assembled = np.empty(block_bytes, dtype=np.uint8)
         self.converting = any(t.converting for t in layout.tensors)
+        self.scratch = Scratch()  # the value ops' work arrays, kept from block to block
 
     def split(self, block: Block) -> list[tuple[Block, Runs]]:
         """The block with its runs, or smaller blocks when it has more than :data:`MAX_RUNS` runs."""
@@ -223,24 +224,10 @@ class Assembler:
             rows, cols = (segment.row_begin, segment.row_end), (0, width)
         values = source.view(numpy_dtype(tensor.source_dtype)).reshape(rows[1] - rows[0], cols[1] - cols[0])
         output = target.view(numpy_dtype(tensor.dtype)).reshape(values.shape)
-        for low, high in value_chunks(rows, cols[1] - cols[0]):
-            chunk = slice(low - rows[0], high - rows[0])
-            result = apply_value(tensor.value, values[chunk], (low, high), cols, self.part.auxiliary)
-            convert(result, output[chunk])
-
-
-#: A value op works on at most about this many elements at a time (its float32 temporaries are a few
-#: times 4 MB), in whole rows cut at fixed multiples of 128 rows (the LoRA product's tiles).
-VALUE_CHUNK = 1 << 20
-
-
-def value_chunks(rows: tuple[int, int], width: int) -> list[tuple[int, int]]:
-    """The rows ``[rows)`` in chunks of about :data:`VALUE_CHUNK` elements, cut at multiples of the chunk."""
-    step = max(1, VALUE_CHUNK // max(1, width))
-    if step >= 128:
-        step -= step % 128
-    cuts = sorted({rows[0], rows[1], *range(-(-rows[0] // step) * step, rows[1], step)})
-    return list(zip(cuts, cuts[1:]))
+        whole_rows = isinstance(tensor.value, Merge) and tensor.value.magnitude is not None
+        for (r0, r1), (c0, c1) in value_regions(rows, cols, width, whole_rows):
+            region = (slice(r0 - rows[0], r1 - rows[0]), slice(c0 - cols[0], c1 - cols[0]))
+            apply_value(tensor.value, values[region], (r0, r1), (c0, c1), self.part.auxiliary, output[region], self.scratch)
 
 
 _UNIT_TYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -104,7 +104,7 @@ def consolidate(
         comm, "consolidate", input=_absolute(input_dir), output=_absolute(output_dir), options=agreed, inside_input=inside_input
     )
     check_options(comm, options)
-    prepare_conversion(options.dtype)  # before the clock starts: an import is no writing
+    prepare_conversion(options.dtype or options.lora)  # before the clock starts: an import is no writing
     if is_s3(output_dir):
         target: Target = S3Target.open(comm, input_dir, output_dir, options)
     else:
