@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """``--lora``, ``--dtype fp8`` and the dequantization of block FP8 against a plain consolidation.
 
-The input is a synthetic Llama-shaped Hugging Face folder written with numpy and safetensors (bf16;
-hidden 2048, intermediate 5632, 16 heads over 4 key-value heads, vocabulary 32000, untied ``lm_head``;
-as many layers as ``--size`` holds, split over 4 ``model-*.safetensors`` files with an index), a peft
-LoRA adapter for it (r 16, alpha 32, the seven projections, float32 ``A`` and ``B``) and its block-FP8
-twin, made once with ``mpicons consolidate BF16 FP8 --dtype fp8`` (untimed). Interleaved rounds (the
-order of the cases alternates from round to round) of
+The input is a synthetic Llama-shaped bf16 Hugging Face folder (hidden 2048, intermediate 5632, 16 heads
+over 4 key-value heads, vocabulary 32000, untied ``lm_head``, as many layers as ``--size`` holds, up to 4
+``model-*.safetensors`` files and an index) with a peft LoRA adapter (r 16, alpha 32, the seven
+projections, float32), both written with numpy once and reused; its block-FP8 twin is made at every run,
+untimed, by ``mpicons consolidate BF16 FP8 --dtype fp8``. mpicons is copied first (``--source``) and
+every run imports that copy. Interleaved rounds (the order alternating from round to round) of
 
     mpiexec -n N mpicons consolidate BF16 OUT                  (plain)
     mpiexec -n N mpicons consolidate BF16 OUT --lora ADAPTER   (merge)
@@ -14,14 +14,13 @@ order of the cases alternates from round to round) of
     mpiexec -n N mpicons consolidate FP8 OUT                   (plain-fp8)
     mpiexec -n N mpicons consolidate FP8 OUT --dtype bf16      (dequantize)
 
-report each case's median wall time, the ratios merge/plain (target ≤ 1.2×), quantize/plain and
-dequantize/plain-fp8, and the peak RSS per rank (mpicons' own ``peak_rss_mb.max``, and the largest
-process as ``/usr/bin/time`` saw it). Then the numpy arithmetic of the merge alone is timed in this
-process, and the outputs are checked: the plain ones and the quantized one hold the same tensors as
-their input and the FP8 folder; three merged weights equal ``bf16(W + (B @ A) * alpha / r)`` computed
-in float32 (at most 1 bf16 ulp apart, in under 0.1% of the elements), the other tensors unchanged;
-every dequantized weight is within E4M3's rounding error of the original, its scales the block maxima
-over 448. A wrong output stops the script with a message.
+report medians of wall time and of mpicons' own ``elapsed.max``, the ratios merge/plain (target ≤ 1.2×),
+quantize/plain and dequantize/plain-fp8, the peak RSS per rank (``peak_rss_mb.max``; the largest process
+as ``/usr/bin/time`` saw it) and the merge's numpy arithmetic alone, step by step. Then the outputs are
+checked (a wrong one stops the script): plain outputs and the quantized one equal their input and the FP8
+twin tensor by tensor; three merged weights are ``bf16(W + (B @ A) * alpha / r)`` computed in float32 (at
+most 1 ulp apart, in under 0.1% of the elements), the rest unchanged; every dequantized weight is
+``bf16(q * scale)``, within E4M3's rounding of the original, its scales the block maxima over 448.
 
     python benchmarks/lora_fp8.py                          # ~1.5 GB, 2 ranks, 5 rounds, in /tmp
     python benchmarks/lora_fp8.py --size 200MB --repeat 1  # a quick run
@@ -43,12 +42,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ml_dtypes
-import numpy as np
-from harness import (
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # before numpy: one BLAS thread, as mpicons gives each rank
+
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+from harness import (  # noqa: E402
     MPIEXEC,
     PYTHON,
-    REPO,
+    Context,
     Quiet,
     Timed,
     checked,
@@ -57,13 +58,12 @@ from harness import (
     mpirun,
     parse_size,
     quiesce,
-    run_timed,
     same_tensors,
+    snapshot_sources,
     warm,
 )
-from safetensors.numpy import save_file
+from safetensors.numpy import save_file  # noqa: E402
 
-ENV = {**os.environ, "PYTHONPATH": str(REPO), "MPICONS_PROGRESS": "lines"}
 TARGET = 1.2
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB, FILES = 2048, 5632, 16, 4, 32000, 4
 RANK, ALPHA, BLOCK = 16, 32, 128
@@ -152,26 +152,30 @@ def write_adapter(directory: Path, layers: int, seed: int = 1) -> None:
     (directory / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
-def ensure_inputs(workdir: Path, size: int, ranks: int) -> tuple[Path, Path, Path, dict[str, Any]]:
-    """The bf16 folder, its adapter and its FP8 twin, written once; reused while their description is unchanged."""
+def ensure_inputs(workdir: Path, size: int) -> tuple[Path, Path, dict[str, Any]]:
+    """The bf16 folder and its adapter, written once; reused while their description is unchanged."""
     layers = layers_for(size)
-    name = f"llama-{layers}"
-    base, adapter, fp8 = workdir / f"{name}-bf16", workdir / f"{name}-lora", workdir / f"{name}-fp8"
-    marker = workdir / f"{name}.json"
+    base, adapter, marker = workdir / f"llama-{layers}-bf16", workdir / f"llama-{layers}-lora", workdir / f"llama-{layers}.json"
     described = {"layers": layers, "config": hf_config(layers), "rank": RANK, "alpha": ALPHA, "files": FILES}
-    if marker.exists() and json.loads(marker.read_text()) == described and fp8.is_dir():
-        return base, adapter, fp8, described
-    for directory in (base, adapter, fp8):
-        shutil.rmtree(directory, ignore_errors=True)
-    began = time.perf_counter()
-    write_model(base, layers)
-    write_adapter(adapter, layers)
-    print(f"lora_fp8: wrote the bf16 folder and the adapter in {time.perf_counter() - began:.1f} s")
+    if not (marker.exists() and json.loads(marker.read_text()) == described and adapter.is_dir()):
+        for directory in (base, adapter):
+            shutil.rmtree(directory, ignore_errors=True)
+        began = time.perf_counter()
+        write_model(base, layers)
+        write_adapter(adapter, layers)
+        print(f"lora_fp8: wrote the bf16 folder and the adapter in {time.perf_counter() - began:.1f} s")
+        marker.write_text(json.dumps(described))
+    return base, adapter, described
+
+
+def make_fp8(ctx: Context, base: Path, ranks: int) -> Path:
+    """The FP8 twin of ``base``, made by the mpicons measured (``--dtype fp8``, untimed) at every run."""
+    fp8 = base.with_name(base.name.replace("-bf16", "-fp8"))
+    quiesce(fp8)
     command = [PYTHON, "-m", "mpicons", "consolidate", str(base), str(fp8), "-q", "--dtype", "fp8"]
-    made = checked(run_timed(mpirun(ranks, command), env=ENV), "mpicons --dtype fp8 (the FP8 folder)")
+    made = checked(ctx.run(mpirun(ranks, command)), "mpicons --dtype fp8 (the FP8 folder)")
     print(f"lora_fp8: wrote the FP8 folder in {made.wall:.1f} s")
-    marker.write_text(json.dumps(described))
-    return base, adapter, fp8, described
+    return fp8
 
 
 # ---------------------------------------------------------------- reading and checking outputs
@@ -213,15 +217,11 @@ def ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.abs(ordered(a) - ordered(b))
 
 
-def same_keys(reference: dict[str, Path], output: dict[str, Path], what: str) -> None:
-    if set(reference) != set(output):
-        raise SystemExit(f"lora_fp8: {what}: tensor names differ: {sorted(set(reference) ^ set(output))[:5]}")
-
-
 def check_merge(base: Path, adapter: Path, output: Path, layers: int) -> str:
     """Three merged weights against numpy's float32 merge; the tensors no LoRA targets byte for byte."""
     ref, out = tensor_files(base), tensor_files(output)
-    same_keys(ref, out, "merge")
+    if set(ref) != set(out):
+        raise SystemExit(f"lora_fp8: merge: tensor names differ: {sorted(set(ref) ^ set(out))[:5]}")
     lora = tensor_files(adapter, "adapter_model.safetensors")
     samples = ["model.layers.0.self_attn.q_proj.weight", f"model.layers.{layers // 2}.self_attn.k_proj.weight"]
     samples.append(f"model.layers.{layers - 1}.mlp.down_proj.weight")
@@ -275,7 +275,8 @@ def check_dequantize(base: Path, fp8: Path, output: Path) -> str:
     """Every dequantized weight within E4M3's rounding of the original bf16; its scales the block maxima
     over 448; the tensors FP8 left alone byte for byte; the same names, dtypes and shapes as the original."""
     ref, quantized, out = tensor_files(base), tensor_files(fp8), tensor_files(output)
-    same_keys(ref, out, "dequantize")
+    if set(ref) != set(out):
+        raise SystemExit(f"lora_fp8: dequantize: tensor names differ: {sorted(set(ref) ^ set(out))[:5]}")
     if "quantization_config" in json.loads((output / "config.json").read_text()):
         raise SystemExit("lora_fp8: dequantize: config.json still has a quantization_config")
     weights = [n for n in ref if n + "_scale_inv" in quantized]
@@ -294,22 +295,29 @@ def check_dequantize(base: Path, fp8: Path, output: Path) -> str:
     return f"{len(weights)} dequantized weights within E4M3's rounding (relative RMS error {rms:.3f}), {others} others unchanged"
 
 
-def merge_arithmetic(base: Path, adapter: Path) -> tuple[float, float]:
-    """Seconds of numpy (one process) for every module's ``B @ A * s`` alone, and for the whole
-    ``bf16(float32(W) + B @ A * s)``: the floor of what a merge adds to a consolidation."""
-    ref = tensor_files(base)
-    lora = tensor_files(adapter, "adapter_model.safetensors")
-    product = whole = 0.0
+def merge_arithmetic(base: Path, adapter: Path) -> dict[str, float]:
+    """Seconds of numpy (this process, one BLAS thread as every mpicons rank) for each step of
+    ``bf16(float32(W) + (B @ A) * s)`` over every merged weight, whole: what a merge adds to a plain
+    consolidation's copying, at least, before any tiling or chunking."""
+    ref, lora = tensor_files(base), tensor_files(adapter, "adapter_model.safetensors")
+    steps = dict.fromkeys(("bf16->f32", "B@A", "*s", "+W", "f32->bf16"), 0.0)
     for name in (n for n in ref if n.endswith("_proj.weight")):
         module = "base_model.model." + name.removesuffix(".weight")
         a, b, w = load(lora, f"{module}.lora_A.weight"), load(lora, f"{module}.lora_B.weight"), load(ref, name)
-        began = time.perf_counter()
-        delta = (b @ a) * np.float32(ALPHA / RANK)
-        middle = time.perf_counter()
-        (w.astype(np.float32) + delta).astype(BF16)
-        product += middle - began
-        whole += time.perf_counter() - began
-    return product, whole
+        times = [time.perf_counter()]
+        weight = w.astype(np.float32)
+        times.append(time.perf_counter())
+        product = b @ a
+        times.append(time.perf_counter())
+        product *= np.float32(ALPHA / RANK)
+        times.append(time.perf_counter())
+        product += weight
+        times.append(time.perf_counter())
+        product.astype(BF16)
+        times.append(time.perf_counter())
+        for step, took in zip(steps, np.diff(times)):
+            steps[step] += float(took)
+    return steps
 
 
 # ---------------------------------------------------------------- the timed runs
@@ -320,6 +328,7 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--size", type=parse_size, default=int(1.5e9), help="bytes of the bf16 model (default 1.5GB)")
     parser.add_argument("--ranks", type=int, default=2, help="mpicons ranks (default 2)")
     parser.add_argument("--repeat", type=int, default=5, help="interleaved rounds (default 5)")
+    parser.add_argument("--source", choices=("worktree", "head"), default="worktree", help="mpicons measured (copied first)")
     parser.add_argument("--sync", action="store_true", help="durable outputs (default --no-sync: the engine's work only)")
     parser.add_argument("--no-check", action="store_true", help="skip checking the outputs")
     parser.add_argument("--patience", type=float, default=60.0, help="seconds to wait for an idle machine per run")
@@ -328,7 +337,7 @@ def _arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def run_rounds(args: argparse.Namespace, cases: dict[str, tuple[Path, list[str]]], quiet: Quiet) -> tuple[dict, dict]:
+def run_rounds(args: argparse.Namespace, cases: dict[str, tuple[Path, list[str]]], ctx: Context) -> tuple[dict, dict]:
     """Every case once per round, the order alternating; each from a warm cache, after the last one's writeback."""
     runs: dict[str, list[Timed]] = {name: [] for name in cases}
     stats: dict[str, list[dict[str, Any]]] = {name: [] for name in cases}
@@ -339,9 +348,9 @@ def run_rounds(args: argparse.Namespace, cases: dict[str, tuple[Path, list[str]]
             target, stats_file = args.workdir / f"out-{name}", args.workdir / f"stats-{name}.json"
             quiesce(target)
             warm(source)
-            quiet.wait(name)
+            ctx.quiet.wait(name)
             command = [PYTHON, "-m", "mpicons", "consolidate", str(source), str(target), "-q", "--stats-json", str(stats_file)]
-            runs[name].append(checked(run_timed(mpirun(args.ranks, command + options + extra), env=ENV), f"mpicons {name}"))
+            runs[name].append(checked(ctx.run(mpirun(args.ranks, command + options + extra)), f"mpicons {name}"))
             stats[name].append(json.loads(stats_file.read_text()))
     return runs, stats
 
@@ -349,22 +358,31 @@ def run_rounds(args: argparse.Namespace, cases: dict[str, tuple[Path, list[str]]
 def _table(runs: dict[str, list[Timed]], stats: dict[str, list[dict[str, Any]]]) -> dict[str, float]:
     """Median, best and worst wall time per case, peak RSS per rank, median slowest-rank phase times."""
     print(
-        f"{'case':<12}{'median s':>10}{'best s':>9}{'worst s':>9}{'RSS/rank MB':>13}{'time RSS MB':>13}"
+        f"{'case':<12}{'median s':>10}{'best s':>9}{'worst s':>9}{'own s':>8}{'RSS/rank MB':>13}{'time RSS MB':>13}"
         + "".join(f"{c:>8}" for c in ("scan", "plan", "write", "GB out"))
     )
     medians = {}
     for name, timed in runs.items():
         walls = [t.wall for t in timed]
         medians[name] = statistics.median(walls)
-        own = max(s["peak_rss_mb"]["max"] for s in stats[name])
+        own, rss = statistics.median(s["elapsed"]["max"] for s in stats[name]), max(s["peak_rss_mb"]["max"] for s in stats[name])
         phases = "".join(
             f"{statistics.median(s['phases'][p]['max'] for s in stats[name]):>8.2f}" for p in ("scan", "plan", "write")
         )
         print(
-            f"{name:<12}{medians[name]:>10.3f}{min(walls):>9.3f}{max(walls):>9.3f}{own:>13.0f}"
+            f"{name:<12}{medians[name]:>10.3f}{min(walls):>9.3f}{max(walls):>9.3f}{own:>8.3f}{rss:>13.0f}"
             f"{max(t.rss_mb for t in timed):>13.0f}{phases}{stats[name][-1]['total_bytes'] / 1e9:>8.2f}"
         )
     return medians
+
+
+def _ratios(medians: dict[str, float]) -> dict[str, float]:
+    pairs = (("merge", "plain"), ("quantize", "plain"), ("dequantize", "plain-fp8"))
+    ratios = {f"{case} / {plain}": medians[case] / medians[plain] for case, plain in pairs}
+    for what, ratio in ratios.items():
+        verdict = f" ({'PASS' if ratio <= TARGET else 'FAIL'}: target <= {TARGET}x)" if what.startswith("merge") else ""
+        print(f"{what} (medians): {ratio:.2f}x{verdict}")
+    return ratios
 
 
 def check_outputs(workdir: Path, base: Path, adapter: Path, fp8: Path, layers: int) -> list[str]:
@@ -381,7 +399,11 @@ def check_outputs(workdir: Path, base: Path, adapter: Path, fp8: Path, layers: i
 def main() -> None:
     args = _arguments()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    base, adapter, fp8, described = ensure_inputs(args.workdir, args.size, args.ranks)
+    base, adapter, described = ensure_inputs(args.workdir, args.size)
+    root, sources = snapshot_sources(args.workdir, args.source)
+    ctx = Context.on_snapshot(root, args.workdir, Quiet(args.patience), args.repeat)
+    ctx.env["MPICONS_PROGRESS"] = "lines"
+    fp8 = make_fp8(ctx, base, args.ranks)
     cases = {
         "plain": (base, []),
         "merge": (base, ["--lora", str(adapter)]),
@@ -390,39 +412,27 @@ def main() -> None:
         "dequantize": (fp8, ["--dtype", "bf16"]),
     }
     warm(adapter)
-    quiet = Quiet(args.patience)
-    runs, stats = run_rounds(args, cases, quiet)
-    print(f"command: {shlex.join(sys.argv)}")
+    runs, stats = run_rounds(args, cases, ctx)
+    print(f"command: {shlex.join(sys.argv)}; mpicons: {sources}")
     print(
-        f"llama (bf16): hidden {HIDDEN}, intermediate {INTERMEDIATE}, {described['layers']} layers, "
-        f"{dir_bytes(base) / 1e6:.0f} MB in {FILES} files; FP8 twin {dir_bytes(fp8) / 1e6:.0f} MB; adapter r {RANK}, "
+        f"llama (bf16): hidden {HIDDEN}, intermediate {INTERMEDIATE}, {described['layers']} layers, {dir_bytes(base) / 1e6:.0f} "
+        f"MB in {len(list(base.glob('model-*')))} files; FP8 twin {dir_bytes(fp8) / 1e6:.0f} MB; adapter r {RANK}, "
         f"alpha {ALPHA}, {dir_bytes(adapter) / 1e6:.0f} MB; {args.ranks} ranks, {args.repeat} interleaved rounds"
         + ("" if args.sync else ", --no-sync")
     )
     medians = _table(runs, stats)
-    ratios = {
-        "merge / plain": medians["merge"] / medians["plain"],
-        "quantize / plain": medians["quantize"] / medians["plain"],
-        "dequantize / plain-fp8": medians["dequantize"] / medians["plain-fp8"],
-    }
-    for what, ratio in ratios.items():
-        verdict = f" ({'PASS' if ratio <= TARGET else 'FAIL'}: target <= {TARGET}x)" if what.startswith("merge") else ""
-        print(f"{what} (medians): {ratio:.2f}x{verdict}")
-    product, whole = merge_arithmetic(base, adapter)
-    print(f"numpy, one process: B @ A * s of every module {product:.2f} s; bf16(W + B @ A * s) {whole:.2f} s")
+    ratios = _ratios(medians)
+    steps = merge_arithmetic(base, adapter)
+    print(f"merge in numpy, 1 thread: {sum(steps.values()):.2f} s = " + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()))
     checks = ["not checked"] if args.no_check else check_outputs(args.workdir, base, adapter, fp8, described["layers"])
     print("outputs: " + "; ".join(checks))
-    if quiet.busy_runs:
-        print("runs that started on a busy machine:", "; ".join(quiet.busy_runs))
+    if ctx.quiet.busy_runs:
+        print("runs that started on a busy machine:", "; ".join(ctx.quiet.busy_runs))
     if args.json:
-        numbers = {"machine": machine(args.workdir), "command": sys.argv, "model": described, "ranks": args.ranks}
-        numbers |= {
-            "mpiexec": MPIEXEC,
-            "sync": args.sync,
-            "cases": {n: [t.__dict__ | {"log": ""} for t in ts] for n, ts in runs.items()},
-        }
-        numbers |= {"stats": stats, "medians": medians, "ratios": ratios, "numpy_merge_s": {"product": product, "whole": whole}}
-        numbers |= {"checks": checks, "busy_runs": quiet.busy_runs}
+        numbers = {"machine": machine(args.workdir), "command": sys.argv, "sources": sources, "model": described}
+        numbers |= {"ranks": args.ranks, "mpiexec": MPIEXEC, "sync": args.sync, "stats": stats, "medians": medians}
+        numbers |= {"cases": {n: [t.__dict__ | {"log": ""} for t in ts] for n, ts in runs.items()}, "ratios": ratios}
+        numbers |= {"numpy_merge_s": steps, "checks": checks, "busy_runs": ctx.quiet.busy_runs}
         args.json.write_text(json.dumps(numbers, indent=1))
 
 
