@@ -255,3 +255,14 @@ def test_the_lora_product_is_torchs_at_model_shapes() -> None:
         b = (rng.standard_normal((rows, rank)) * 0.02).astype(np.float32)
         ours = merge_delta(Merge("a", "b", 2.0), (0, rows), (0, cols), _Aux({"a": a, "b": b}))
         assert ours.tobytes() == ((torch.from_numpy(b) @ torch.from_numpy(a)) * 2.0).numpy().tobytes()
+
+
+def test_an_adapter_of_rank_zero_is_refused(tmp_path: Path) -> None:
+    base, adapter = _fp32_base(tmp_path)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    module = "base_model.model.model.layers.0.mlp.up_proj"
+    tensors[f"{module}.lora_A.weight"] = tensors[f"{module}.lora_A.weight"][:0].copy()
+    tensors[f"{module}.lora_B.weight"] = tensors[f"{module}.lora_B.weight"][:, :0].copy()
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    with pytest.raises(InputError, match=r"lora_A has no rows \(r 0\)"):
+        mpicons.consolidate(base, tmp_path / "out", lora=str(adapter), comm=SingleProcess())

@@ -179,6 +179,8 @@ def _merge_op(
             f"{list(weight.shape)}{' (fan_in_fan_out)' if config.fan_in_fan_out else ''}: is it this base's adapter?"
         )
     rank = a.shape[0]
+    if rank == 0:
+        raise InputError(f"{where}: {module}'s lora_A has no rows (r 0): an adapter that changes nothing")
     alpha = _pattern_value(config.alpha_pattern, module, config.alpha)
     scaling = alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
     magnitude = kinds.get("lora_magnitude_vector")
