@@ -275,6 +275,42 @@ def slow_beyond(values: list, fast: int) -> list:
     ]
 
 
+_REFERENCE_LOGITS = """
+import json, sys
+import torch
+from transformers import AutoModelForCausalLM
+
+for pair in sys.argv[1:]:  # OUT=LOGITS
+    out, logits_path = pair.split("=", 1)
+    want = torch.load(logits_path, weights_only=True)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ids = (torch.arange(want.shape[1]) % model.config.vocab_size).reshape(1, -1)
+    with torch.no_grad():
+        got = model(ids).logits
+    print(json.dumps({"out": out, "equal": bool(torch.equal(got, want)), "max_diff": (got - want).abs().max().item()}))
+"""
+
+
+def reference_logits_reports(pairs: list[tuple[Path, Path]], timeout: float = 300) -> list[dict]:
+    """Each output loaded by transformers in float32 (a child process), its logits on ``arange(n) % vocab``
+    against a fixture's ``ref_logits.pt`` (``pairs``: output, logits file): equal, and by how much they differ.
+    Skips the test without torch or transformers."""
+    import importlib.util
+
+    for module in ("torch", "transformers"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"{module} is not installed")
+    arguments = [f"{out}={logits}" for out, logits in pairs]
+    proc = subprocess.run(
+        [sys.executable, "-c", _REFERENCE_LOGITS, *arguments], capture_output=True, text=True, timeout=timeout,
+        env=subprocess_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    reports = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert len(reports) == len(pairs), proc.stdout + proc.stderr
+    return reports
+
+
 #: Loads outputs with transformers beside an expected model, in a child process (importing torch and
 #: transformers is most of the time, and would weigh on every later test of the process).
 _TRANSFORMERS_LOAD = """

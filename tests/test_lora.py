@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import cli, load_tensors, transformers_reports
+from helpers import cli, load_tensors, reference_logits_reports
 
 import mpicons
 from mpicons.comm import SingleProcess
@@ -115,18 +115,20 @@ def test_inspect_shows_the_merge(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_transformers_loads_the_merged_models(tmp_path: Path) -> None:
-    """Loaded by transformers, each merged output gives the logits of peft's merged model exactly."""
-    groups = []
-    for case in ["llama-bf16", "llama-dora", "qwen3-tied", "llama-lmhead-saved"]:
-        out = tmp_path / case
-        mpicons.consolidate(CASES / case / "base", out, lora=str(CASES / case / "adapter"), comm=SingleProcess())
-        groups.append((CASES / case / "expected", [out]))
+def test_transformers_loads_the_merged_models_with_the_reference_logits(tmp_path: Path) -> None:
+    """Loaded by transformers in float32, every merged output gives the fixture's reference logits (those
+    of peft's merged model) exactly."""
+    pairs = []
+    for case in PEFT_CASES + ["llama-dcp-2ranks"]:
+        out, base = tmp_path / case, CASES / case / "base"
+        source, assets = (base / "sharded", str(base)) if case == "llama-dcp-2ranks" else (base, None)
+        mpicons.consolidate(source, out, lora=str(CASES / case / "adapter"), hf_assets=assets, comm=SingleProcess())
+        pairs.append((out, CASES / case / "ref_logits.pt"))
     out = tmp_path / "verl"
     mpicons.consolidate(VERL / "checkpoint", out, comm=SingleProcess())
-    groups.append((VERL / "expected-fp32", [out]))
-    for report in transformers_reports(groups):
-        assert report["equal"] and not report["missing_keys"] and not report["unexpected_keys"], report
+    pairs.append((out, VERL / "ref_logits.pt"))
+    for report in reference_logits_reports(pairs):
+        assert report["equal"], report
 
 
 def test_verify_compares_with_the_base_merged_the_same_way(tmp_path: Path) -> None:
