@@ -77,6 +77,7 @@ def test_every_consolidate_option_is_passed_on():
             "--main-params",
             "--lora",
             "adapter",
+            "--no-merge",
         ]
     )
     options = job_options(args)
@@ -104,6 +105,7 @@ def test_every_consolidate_option_is_passed_on():
         expect_ranks=8,
         main_params=True,
         lora="adapter",
+        no_merge=True,
         sync=False,
         progress=3.0,
         verbose=True,

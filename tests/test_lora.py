@@ -142,3 +142,52 @@ def test_verify_compares_with_the_base_merged_the_same_way(tmp_path: Path) -> No
     assert sorted(p.tensor for p in plain.problems) == sorted(
         name for name in _tensors(case / "base") if name.endswith("_proj.weight")
     )
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_no_merge_keeps_the_base_and_a_peft_adapter_beside_it(ranks: int, tmp_path: Path) -> None:
+    """``--no-merge``: the base as it was before training (the fixture's bf16 base, byte for byte) and
+    ``lora_adapter/``, a peft folder whose merge gives peft's merged model."""
+    out = tmp_path / "out"
+    proc, _ = cli(ranks, "consolidate", VERL / "checkpoint", out, "--no-merge", "--dtype", "bf16")
+    assert proc.returncode == 0, proc.stderr
+    assert _tensors(out) == _tensors(VERL / "base")
+    settings = json.loads((out / "lora_adapter" / "adapter_config.json").read_text())
+    assert (settings["peft_type"], settings["r"], settings["lora_alpha"], len(settings["target_modules"])) == ("LORA", 8, 16, 7)
+    adapter = load_tensors(out / "lora_adapter" / "adapter_model.safetensors")
+    assert len(adapter) == 28 and {dtype for dtype, _, _ in adapter.values()} == {"F32"}  # as trained
+    merged = tmp_path / "merged"
+    mpicons.consolidate(out, merged, lora=str(out / "lora_adapter"), dtype="fp32", comm=SingleProcess())
+    assert _tensors(merged) == _tensors(VERL / "expected-fp32")  # the frozen base was bf16's, upcast
+    mpicons.consolidate(VERL / "checkpoint", tmp_path / "fp32", no_merge=True, comm=SingleProcess())
+    mpicons.consolidate(tmp_path / "fp32", tmp_path / "again", lora=str(tmp_path / "fp32" / "lora_adapter"), comm=SingleProcess())
+    assert _tensors(tmp_path / "again") == _tensors(VERL / "expected-fp32")
+
+
+def test_no_merge_needs_lora_weights_in_the_checkpoint(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="--no-merge keeps the LoRA weights a checkpoint holds apart") as caught:
+        mpicons.consolidate(CASES / "llama-bf16" / "base", tmp_path / "out", no_merge=True, comm=SingleProcess())
+    assert caught.value.exit_code == 2 and not (tmp_path / "out").exists()
+
+
+def test_no_merge_never_replaces_an_adapter_folder(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "lora_adapter").mkdir(parents=True)
+    with pytest.raises(InputError, match="is a directory; mpicons never replaces a directory"):
+        mpicons.consolidate(VERL / "checkpoint", out, no_merge=True, force=True, comm=SingleProcess())
+    assert sorted(p.name for p in out.iterdir()) == ["lora_adapter"] and not list((out / "lora_adapter").iterdir())
+
+
+def test_a_failed_publish_leaves_no_adapter_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folder is published in the weights' transaction: a failure at its commit point takes it back out."""
+    from mpicons.io import journal
+
+    def fail(label: str) -> None:
+        if label.startswith("commit"):
+            raise OSError(5, "injected")
+
+    monkeypatch.setattr(journal, "step_hook", fail)
+    out = tmp_path / "out"
+    with pytest.raises(Exception, match="injected"):
+        mpicons.consolidate(VERL / "checkpoint", out, no_merge=True, comm=SingleProcess())
+    assert not (out / "lora_adapter").exists() and not list(out.glob("*.safetensors"))

@@ -177,6 +177,11 @@ class Options:
         "``adapter_config.json`` alone gives the alpha of LoRA weights the checkpoint itself holds. None: LoRA "
         "weights the checkpoint holds are merged with the alpha its trainer recorded (verl's ``lora_train_meta.json``).",
     )
+    no_merge: bool = _option(
+        False,
+        "A checkpoint holding LoRA weights itself (a verl LoRA actor): write its base unmerged and the LoRA "
+        "weights beside it as a peft adapter folder, ``lora_adapter/`` (a directory output). False: merged.",
+    )
     s3_endpoint: str | None = _option(
         None,
         "The S3 API endpoint for ``s3://`` locations (e.g. ``http://127.0.0.1:9000``). None: boto3's own "
@@ -298,6 +303,7 @@ class Publishing:
     output_format: str
     dtype: str | None
     keep_dtype: tuple[str, ...]
+    no_merge: bool
     force: bool
     break_lock: bool
     sync: bool

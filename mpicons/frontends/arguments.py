@@ -361,6 +361,12 @@ def _add_value_options(cmd: argparse.ArgumentParser) -> None:
         "from the input, exactly as peft's merge_and_unload; a folder with adapter_config.json alone gives the "
         "alpha of LoRA weights the checkpoint holds (docs/lora-fp8.md)",
     )
+    cmd.add_argument(
+        "--no-merge",
+        action="store_true",
+        help="a checkpoint holding LoRA weights itself (a verl LoRA actor): write its base unmerged and the "
+        "LoRA weights as a peft adapter folder, OUT/lora_adapter/",
+    )
 
 
 def selection(args: argparse.Namespace) -> dict[str, Any]:
@@ -375,6 +381,7 @@ def selection(args: argparse.Namespace) -> dict[str, Any]:
         "hf_assets": args.hf_assets,
         "keep_dtype": tuple(args.keep_dtype),
         "lora": args.lora,
+        "no_merge": args.no_merge,
         "s3_endpoint": args.s3_endpoint,
         "expect_ranks": args.expect_ranks,
     }

@@ -22,6 +22,7 @@ import errno
 import fnmatch
 import json
 import os
+import shutil
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -33,7 +34,7 @@ from ..core.names import CHECKPOINT_FILE, INDEX_NAME, SHARD_FILE
 from ..core.options import DTYPE_TARGETS
 from ..core.safetensors_codec import DTYPE_BY_NAME
 from .journal import describe_names
-from .regular_files import NotRegular, kind_of, open_regular, read_bounded
+from .regular_files import NotRegular, fsync_directory, kind_of, open_regular, read_bounded
 from .s3 import is_s3
 from .sources import MAX_TRANSFER
 
@@ -122,6 +123,14 @@ class HFAssets:
     contents: dict[str, bytes] | None = field(default=None, repr=False)
     #: What to call the config in messages when it is no file of ``directory`` (one derived from a run's args).
     config_origin: str | None = None
+    #: Folders the job makes and publishes beside the files (``--no-merge``'s ``lora_adapter/``): name →
+    #: its files' bytes (empty until the job has them; the name alone is known from the plan).
+    folders: dict[str, dict[str, bytes]] = field(default_factory=dict, repr=False)
+
+    @property
+    def published_names(self) -> tuple[str, ...]:
+        """Every entry the assets add to the output: the files copied, then the folders made."""
+        return (*self.files, *self.folders)
 
     @property
     def config_path(self) -> str:
@@ -266,6 +275,13 @@ def config_with_dtype(config: dict[str, Any], dtype: str) -> dict[str, Any]:
     return {**config, **dict.fromkeys(keys, torch_name)}
 
 
+def with_folder(assets: HFAssets | None, name: str, files: dict[str, bytes]) -> HFAssets:
+    """``assets`` (or none) publishing the folder ``name`` holding ``files`` too."""
+    if assets is None:
+        assets = HFAssets("", None, None, ())
+    return replace(assets, folders={**assets.folders, name: files})
+
+
 def with_config(assets: HFAssets, config: dict[str, Any]) -> HFAssets:
     """``assets`` publishing ``config`` as their ``config.json`` (one the job changed: FP8 dequantized)."""
     return replace(assets, config=config, config_bytes=render_config(config))
@@ -298,14 +314,32 @@ def stage_assets(assets: HFAssets, staging: str, dtype: str | None, durable: boo
             else:
                 _stage_file(target, durable, source=os.path.join(assets.directory, name))
             staged.append(name)
+        for name, files in assets.folders.items():
+            _stage_folder(os.path.join(staging, name), files, durable)
+            staged.append(name)
     except BaseException:
         for name in staged:
             try:
-                os.unlink(os.path.join(staging, name))
+                if name in assets.folders:
+                    shutil.rmtree(os.path.join(staging, name))
+                else:
+                    os.unlink(os.path.join(staging, name))
             except OSError:
                 pass
         raise
     return staged
+
+
+def _stage_folder(path: str, files: dict[str, bytes], durable: bool) -> None:
+    """A folder created exclusively and its files (a failure leaves it for the caller to remove)."""
+    try:
+        os.mkdir(path, 0o755)
+    except OSError as exc:
+        raise WriteError(f"{path}: cannot create it ({exc.strerror})") from None
+    for name, data in sorted(files.items()):
+        _stage_file(os.path.join(path, name), durable, data=data)
+    if durable:
+        fsync_directory(path)
 
 
 def _check_directory(path: str) -> None:
@@ -506,6 +540,8 @@ def _copy(src: int, dst: int, source: str, target: str) -> None:
 def asset_bytes(assets: HFAssets, dtype: str | None) -> dict[str, bytes]:
     """Each asset's bytes as :func:`stage_assets` would stage them (``dtype`` recorded in ``config.json``),
     for outputs that are objects rather than files; read with the same bounded, regular-file-only reads."""
+    if assets.folders:
+        raise InputError(f"{describe_names(list(assets.folders))}: a folder, which an object-store output does not take yet")
     payloads: dict[str, bytes] = {}
     for name in assets.files:
         if name == CONFIG_NAME and dtype is not None and assets.config is not None:

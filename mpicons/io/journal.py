@@ -108,15 +108,20 @@ class UntrustedJournal(InputError):
         )
 
 
+#: The folders set-aside files have been kept in (``replaced`` by earlier revisions): other folders of a
+#: staging directory are staged outputs (``--no-merge``'s adapter folder), never the old checkpoint.
+_ASIDE_NAMES = (ASIDE_DIR, "replaced")
+
+
 def _set_aside_folders(staging: str) -> list[str]:
-    """The staging directory's folders that hold entries (set-aside files, also of older mpicons versions)."""
+    """The staging directory's folders that hold set-aside entries (also of older mpicons versions)."""
     try:
         entries = list(os.scandir(staging))
     except OSError:
         return []
     folders = []
     for entry in sorted(entries, key=lambda e: e.name):
-        if entry.is_dir(follow_symlinks=False):
+        if entry.name in _ASIDE_NAMES and entry.is_dir(follow_symlinks=False):
             try:
                 if os.listdir(entry.path):
                     folders.append(entry.path)

@@ -7,8 +7,10 @@ memory map, a tensor at a time (``A`` and ``B`` whole: ``r`` rows or columns; a 
 
 from __future__ import annotations
 
+import json
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +18,7 @@ import numpy as np
 
 from ..core.convert import numpy_dtype
 from ..core.errors import InputError
-from ..core.safetensors_codec import Header, TensorEntry, read_header
+from ..core.safetensors_codec import Header, TensorEntry, build_header, read_header, reference_order
 from ..core.value_plan import PEFT_PREFIX, LoraConfig, Shape
 from .assets import read_config
 
@@ -95,6 +97,41 @@ def _has_bin(directory: str) -> bool:
     return os.path.isfile(os.path.join(directory, "adapter_model.bin"))
 
 
+def peft_adapter_files(tensors: dict[str, np.ndarray], config: LoraConfig) -> dict[str, bytes]:
+    """A peft adapter folder's files for LoRA weights named ``<module>.lora_A.weight`` (peft's prefix
+    added, in the reference order safetensors writes), with the settings they were trained with."""
+    named = {PEFT_PREFIX + name: array for name, array in tensors.items()}
+    order = reference_order([(name, dtype_name(array)) for name, array in named.items()])
+    entries = [(name, dtype_name(named[name]), named[name].shape) for name in (list(named)[i] for i in order)]
+    header, _ = build_header(entries, {"format": "pt"})
+    weights = header + b"".join(np.ascontiguousarray(named[name]).tobytes() for name, _, _ in entries)
+    ranks = {
+        name.removesuffix(".lora_A.weight"): int(a.shape[0]) for name, a in tensors.items() if name.endswith(".lora_A.weight")
+    }
+    rank = Counter(ranks.values()).most_common(1)[0][0]  # the others in rank_pattern
+    settings = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": int(rank),
+        "lora_alpha": int(config.alpha) if config.alpha.is_integer() else config.alpha,
+        "rank_pattern": {module: r for module, r in sorted(ranks.items()) if r != rank},
+        "alpha_pattern": dict(config.alpha_pattern),
+        "use_rslora": config.use_rslora,
+        "use_dora": False,
+        "fan_in_fan_out": config.fan_in_fan_out,
+        "bias": "none",
+        "target_modules": sorted({module.rsplit(".", 1)[-1] for module in ranks}),
+        "base_model_name_or_path": None,
+        "inference_mode": True,
+    }
+    return {WEIGHTS_FILE: weights, CONFIG_FILE: (json.dumps(settings, indent=2, sort_keys=True) + "\n").encode()}
+
+
+def dtype_name(array: np.ndarray) -> str:
+    """The safetensors name of an array's dtype."""
+    return next(name for name in ("F64", "F32", "BF16", "F16", "F8_E4M3") if numpy_dtype(name) == array.dtype)
+
+
 class AdapterTensors:
     """The adapter's tensors by memory map: whole in float32 (cached, they are small), or rows as stored."""
 
@@ -123,4 +160,13 @@ class AdapterTensors:
         return np.asarray(self._array(name)[begin:end])
 
 
-__all__ = ["CONFIG_FILE", "VERL_META_FILE", "WEIGHTS_FILE", "AdapterFolder", "AdapterTensors", "lora_config", "read_adapter"]
+__all__ = [
+    "CONFIG_FILE",
+    "VERL_META_FILE",
+    "WEIGHTS_FILE",
+    "AdapterFolder",
+    "AdapterTensors",
+    "lora_config",
+    "peft_adapter_files",
+    "read_adapter",
+]

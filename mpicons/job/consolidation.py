@@ -11,6 +11,7 @@ from ..comm import as_communicator
 from ..comm.agreement import Comm, agree_arguments
 from ..comm.interrupts import forget_pending
 from ..core.convert import prepare_conversion
+from ..core.errors import InputError
 from ..core.layout import Layout
 from ..core.names import INDEX_NAME
 from ..core.options import DEFAULT_BUFFER_SIZE, FORMATS, Options
@@ -25,7 +26,7 @@ from .replicas import check_replicas
 from .s3_publish import S3Target
 from .scan import Scanned, open_store
 from .stats import PhaseClock, Stats, reduce_stats
-from .values_setup import published_assets
+from .values_setup import adapter_folder, published_assets
 
 if TYPE_CHECKING:
     from ..io.assets import HFAssets
@@ -106,6 +107,8 @@ def consolidate(
     check_options(comm, options)
     prepare_conversion(options.dtype or options.lora)  # before the clock starts: an import is no writing
     if is_s3(output_dir):
+        if options.no_merge:
+            raise InputError(f"{output_dir}: --no-merge writes a lora_adapter/ folder, which an s3:// output does not take yet")
         target: Target = S3Target.open(comm, input_dir, output_dir, options)
     else:
         target = DirectoryTarget(comm, output_dir, options.publishing, options.tuning, inside_input)
@@ -154,6 +157,7 @@ def _run(comm: Comm, input_dir: str, target: Target, options: Options) -> Consol
         with clock("write"):
             check_replicas(comm, scanned, layout, part, options.buffer_size)
             layout, written, moved, in_effect = target.write(scanned, layout, part, assets)
+            assets = adapter_folder(comm, assets, values, options.buffer_size)
         with clock("finalize"):
             target.publish(layout, assets)
             forget_pending()  # the checkpoint is complete: a signal now has nothing left to stop

@@ -80,7 +80,7 @@ class DirectoryTarget:
         comm, publishing, tuning = self.comm, self.publishing, self.tuning
         fmt = output_format(publishing.output_format)
         layout = fmt.target(layout)
-        names = fmt.final_names(layout) + ([] if assets is None else list(assets.files))
+        names = fmt.final_names(layout) + ([] if assets is None else list(assets.published_names))
 
         def stage() -> str:
             session = self._held()

@@ -111,7 +111,7 @@ class S3Target:
     def check_layout(self, layout: Layout, assets: HFAssets | None) -> None:
         """The keys of every object the run publishes, and a checkpoint under the prefix that ``--force``
         does not allow replacing."""
-        names = [f.name for f in layout.files] + [INDEX_NAME] + ([] if assets is None else list(assets.files))
+        names = [f.name for f in layout.files] + [INDEX_NAME] + ([] if assets is None else list(assets.published_names))
         self.check_names(names)
         agree_on(self.comm, self.owner, lambda: self._destination().check_replacing(names, self.publishing.force))
 

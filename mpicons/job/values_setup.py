@@ -26,8 +26,16 @@ from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
 from ..core.safetensors_codec import DTYPES
 from ..core.value_plan import PEFT_PREFIX, LoraConfig, Shape, ValuePlan, fp8_plan, lora_module, lora_plan, quantize_plan
 from ..core.values import FP8_BLOCK, Quantize, block_amax, scales_of
-from ..io.assets import HFAssets, read_config, with_config
-from ..io.lora_adapter import CONFIG_FILE, VERL_META_FILE, AdapterFolder, AdapterTensors, lora_config, read_adapter
+from ..io.assets import HFAssets, read_config, with_config, with_folder
+from ..io.lora_adapter import (
+    CONFIG_FILE,
+    VERL_META_FILE,
+    AdapterFolder,
+    AdapterTensors,
+    lora_config,
+    peft_adapter_files,
+    read_adapter,
+)
 from ..io.places import LocalPlace
 from ..io.s3 import is_s3
 from ..io.s3_sources import S3Place
@@ -37,6 +45,8 @@ from .shares import chosen, distribute, only
 
 #: What peft calls the wrapped base layer of a targeted module.
 BASE_LAYER = ".base_layer"
+#: Where ``--no-merge`` publishes the LoRA weights, as verl's own merger does.
+ADAPTER_FOLDER = "lora_adapter"
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,8 @@ class Values:
     notes: tuple[str, ...] = ()
     #: The checkpoint's weights whose block maxima are measured before the writing (``--dtype fp8``).
     measure: Scanned | None = None
+    #: ``--no-merge``: the LoRA settings of the weights kept apart, published as a peft adapter folder.
+    kept_apart: LoraConfig | None = None
 
 
 def read_lora(comm: Comm, options: Options, directory: str | None = None) -> AdapterFolder | LoraConfig | None:
@@ -76,7 +88,7 @@ def plan_values(
     scanned: Scanned, options: Options, config: dict[str, Any] | None, lora: AdapterFolder | LoraConfig | None
 ) -> tuple[Scanned, Values]:
     """The scan of the tensors written, and the value ops (pure: every rank computes the same)."""
-    scanned, merging = _lora_values(scanned, lora)
+    scanned, merging = _lora_values(scanned, lora, options.no_merge)
     plan, notes = merging.plan, list(merging.notes)
     published, measure = None, None
     if options.dtype is not None:
@@ -107,7 +119,7 @@ def plan_values(
         index = {n: t for t, n in enumerate(scanned.names)}
         read = only(scanned, [index[n] for n in sorted(plan.read_only & set(index))])
         scanned = only(scanned, [t for t, n in enumerate(scanned.names) if n not in plan.read_only])
-    return scanned, Values(plan, read, merging.adapter, published, tuple(notes), measure)
+    return scanned, Values(plan, read, merging.adapter, published, tuple(notes), measure, merging.kept_apart)
 
 
 #: What ``--dtype fp8`` writes in the config (DeepSeek-V3's ``quantization_config``; the block from the plan).
@@ -131,9 +143,20 @@ def _joined(first: ValuePlan, second: ValuePlan) -> ValuePlan:
     )
 
 
-def _lora_values(scanned: Scanned, lora: AdapterFolder | LoraConfig | None) -> tuple[Scanned, Values]:
-    """The LoRA merge: of the weights the checkpoint holds (peft's wrapped names), else of ``--lora``'s adapter."""
+def _lora_values(scanned: Scanned, lora: AdapterFolder | LoraConfig | None, apart: bool = False) -> tuple[Scanned, Values]:
+    """The LoRA merge: of the weights the checkpoint holds (peft's wrapped names), else of ``--lora``'s adapter;
+    ``apart`` (``--no-merge``): the checkpoint's own kept apart, unmerged."""
     scanned, inside = _peft_wrapped(scanned)
+    if apart and not inside:
+        raise InputError(
+            f"{scanned.directory}: --no-merge keeps the LoRA weights a checkpoint holds apart from its base, and "
+            "this one holds none (a peft adapter folder is merged with --lora DIR, or left out with no option)"
+        )
+    if inside and apart and not isinstance(lora, AdapterFolder):
+        if not isinstance(lora, LoraConfig):
+            raise _no_recorded_alpha(scanned)
+        said = f"kept LoRA apart, unmerged: {ADAPTER_FOLDER}/ holds it as a peft adapter (scaling from {lora.origin})"
+        return scanned, Values(ValuePlan(read_only=frozenset(inside)), notes=(said,), kept_apart=lora)
     if inside:
         if isinstance(lora, AdapterFolder):
             raise InputError(
@@ -226,10 +249,22 @@ def _shapes(scanned: Scanned) -> dict[str, Shape]:
 
 
 def published_assets(assets: HFAssets | None, values: Values | None) -> HFAssets | None:
-    """The assets as published: with the config the value ops call for (no ``quantization_config`` once dequantized)."""
+    """The assets as published: with the config the value ops call for (no ``quantization_config`` once
+    dequantized), and ``--no-merge``'s adapter folder (named now, filled by :func:`adapter_folder`)."""
+    if values is not None and values.kept_apart is not None:
+        assets = with_folder(assets, ADAPTER_FOLDER, {})
     if assets is None or values is None or values.config is None:
         return assets
     return with_config(assets, values.config)
+
+
+def adapter_folder(comm: Comm, assets: HFAssets | None, values: Values, buffer_size: int) -> HFAssets | None:
+    """``--no-merge``: the LoRA weights gathered whole (collective) and made a peft adapter folder
+    (``adapter_model.safetensors`` in their saved dtype, ``adapter_config.json``) in the assets."""
+    if values.kept_apart is None or values.read is None:
+        return assets
+    arrays = gather_whole(comm, values.read, buffer_size, as_float32=False)
+    return with_folder(assets, ADAPTER_FOLDER, peft_adapter_files(arrays, values.kept_apart))
 
 
 class Gathered:
@@ -297,9 +332,10 @@ def measure_scales(comm: Comm, sub: Scanned, plan: ValuePlan, buffer_size: int) 
     return {scales_name[layout.tensors[t].name]: scales_of(array) for t, array in amax.items()}
 
 
-def gather_whole(comm: Comm, sub: Scanned, buffer_size: int) -> dict[str, np.ndarray]:
-    """Every tensor of ``sub`` whole in float32 on every rank: each rank assembles its share of the rows,
-    then one sum over the ranks (each byte is one rank's) gives everyone all of them."""
+def gather_whole(comm: Comm, sub: Scanned, buffer_size: int, as_float32: bool = True) -> dict[str, np.ndarray]:
+    """Every tensor of ``sub`` whole on every rank (in float32, or ``as_float32=False`` as saved): each rank
+    assembles its share of the rows, then one sum over the ranks (each byte is one rank's) gives everyone
+    all of them."""
     layout = agree(comm, lambda: build_layout(sub.files, sub.names, sub.facts, comm.size, max_shard_size=HF_MAX_SHARD_SIZE))
     part = distribute(comm, sub, layout)
     data = [np.zeros(f.size, dtype=np.uint8) for f in layout.files]
@@ -317,8 +353,19 @@ def gather_whole(comm: Comm, sub: Scanned, buffer_size: int) -> dict[str, np.nda
     result = {}
     for tensor in layout.tensors:
         raw = data[tensor.file][tensor.offset : tensor.offset + tensor.nbytes]
-        result[tensor.name] = raw.view(numpy_dtype(tensor.dtype)).reshape(tensor.shape).astype(np.float32)
+        values = raw.view(numpy_dtype(tensor.dtype)).reshape(tensor.shape)
+        result[tensor.name] = values.astype(np.float32) if as_float32 else values
     return result
 
 
-__all__ = ["Gathered", "published_assets", "Values", "auxiliary", "gather_whole", "plan_values", "read_lora"]
+__all__ = [
+    "ADAPTER_FOLDER",
+    "Gathered",
+    "adapter_folder",
+    "published_assets",
+    "Values",
+    "auxiliary",
+    "gather_whole",
+    "plan_values",
+    "read_lora",
+]
