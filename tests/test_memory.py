@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -188,6 +189,7 @@ def test_peak_rss_is_bounded_by_the_buffer_when_values_change(tmp_path, job):
     out = tmp_path / "out"
     script = Path(__file__).parent / "scripts" / "peak_rss.py"
     proc = run_python(script, "consolidate", base, out, "--buffer-size", "32M", "-q", *extra, timeout=600)
+    shutil.rmtree(out, ignore_errors=True)  # 0.5-2 GiB written: the disk is not what is measured
     assert proc.returncode == 0, proc.stderr
     peak = float(proc.stdout.split("PEAK_RSS_MB")[1].split()[0])
     assert peak < 32 + 100, proc.stdout
