@@ -15,10 +15,11 @@ from helpers import run_python
 GIB = 1 << 30
 
 
-def write_sparse_shard(path: Path, tensors: dict[str, tuple[str, list[int], list[int], int]]) -> int:
-    """A DCP shard whose data is a hole (zeros) except where markers are written; returns data start."""
+def write_sparse_shard(path: Path, tensors: dict[str, tuple[str, list[int], list[int], int]], dcp: bool = True) -> int:
+    """A DCP shard (or, without ``dcp``, a plain safetensors file) whose data is a hole (zeros) except where
+    markers are written; returns data start."""
     info = {name: {"saved_offsets": offsets} for name, (_, offsets, _, _) in tensors.items()}
-    header: dict[str, object] = {"__metadata__": {"format": "pt", "DCP_SHARDING_INFO": json.dumps(info)}}
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **({"DCP_SHARDING_INFO": json.dumps(info)} if dcp else {})}}
     position = 0
     for name, (dtype, _, shape, nbytes) in tensors.items():
         header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [position, position + nbytes]}
@@ -143,17 +144,9 @@ def test_planning_memory_is_the_ranks_share_of_the_pieces(mpi_tmp_path):
 
 def _sparse_file(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
     """A plain safetensors file of zeros (a hole): what is measured is the memory, not the disk."""
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    position = 0
-    for name, (dtype, shape) in tensors.items():
-        nbytes = {"BF16": 2, "F32": 4, "F8_E4M3": 1}[dtype] * shape[0] * shape[1]
-        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [position, position + nbytes]}
-        position += nbytes
-    text = json.dumps(header).encode()
-    text += b" " * (-len(text) % 8)
-    with open(path, "wb") as handle:
-        handle.write(struct.pack("<Q", len(text)) + text)
-        handle.truncate(8 + len(text) + position)
+    size = {"BF16": 2, "F32": 4, "F8_E4M3": 1}
+    entries = {name: (dtype, [0, 0], shape, size[dtype] * shape[0] * shape[1]) for name, (dtype, shape) in tensors.items()}
+    write_sparse_shard(path, entries, dcp=False)
 
 
 @pytest.mark.slow

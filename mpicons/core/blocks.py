@@ -71,6 +71,13 @@ def segment_bytes(layout: Layout, segment: Segment) -> tuple[int, int]:
     return units * tensor.source_unit, units * tensor.unit
 
 
+def segment_span(layout: Layout, segment: Segment) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The rows and columns a segment of a 2-D tensor covers: whole rows, or a stretch of one row."""
+    if segment.prefix:
+        return (segment.prefix[0], segment.prefix[0] + 1), (segment.row_begin, segment.row_end)
+    return (segment.row_begin, segment.row_end), (0, layout.tensors[segment.tensor].storage[1])
+
+
 def segment_offset(layout: Layout, segment: Segment) -> int:
     """Where a segment starts in its output file."""
     tensor = layout.tensors[segment.tensor]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .blocks import MIN_BLOCK, Block, Segment, blocks, segment_bytes
+from .blocks import MIN_BLOCK, Block, Segment, blocks, segment_bytes, segment_span
 from .convert import convert, numpy_dtype
 from .layout import Layout, Tensor
 from .parts import Part
@@ -218,10 +218,7 @@ class Assembler:
         """The segment's values through the tensor's value op (a 2-D tensor: rows, or a stretch of one row)."""
         assert tensor.value is not None and self.part.auxiliary is not None, tensor.name
         width = tensor.storage[1]
-        if segment.prefix:
-            rows, cols = (segment.prefix[0], segment.prefix[0] + 1), (segment.row_begin, segment.row_end)
-        else:
-            rows, cols = (segment.row_begin, segment.row_end), (0, width)
+        rows, cols = segment_span(self.layout, segment)
         values = source.view(numpy_dtype(tensor.source_dtype)).reshape(rows[1] - rows[0], cols[1] - cols[0])
         output = target.view(numpy_dtype(tensor.dtype)).reshape(values.shape)
         whole_rows = isinstance(tensor.value, Merge) and tensor.value.magnitude is not None

@@ -22,15 +22,14 @@ from ..adaptation.apply import Conversion, Dropped
 from ..comm.agreement import Comm, agree
 from ..core.blocks import Block, block_budget, segment_bytes, segment_offset
 from ..core.errors import InputError
-from ..core.facts import FACT_KEY
 from ..core.layout import Layout, WorkItem
 from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
 from ..core.problems import Problems
 from ..core.reports import count_of
 from ..core.runs import check_saved_views
-from ..core.safetensors_codec import DTYPE_BY_NAME, DTYPES
+from ..core.safetensors_codec import DTYPE_BY_NAME
 from .exchange import feed_blocks
-from .scan import Scanned, open_sources
+from .scan import Scanned, open_sources, shapes_and_dtypes
 from .shares import distribute, only
 
 #: Dtypes whose zero may be negative (the sign bit alone set): -0.0 holds nothing either.
@@ -50,7 +49,7 @@ def dropped_warnings(comm: Comm, scanned: Scanned, conversion: Conversion, buffe
     """Per dropped entry of ``conversion`` that carries information, the warning that names it (collective;
     the same on every rank). ``scanned``: the saved tensors, before the conversion; it is left as it is."""
     index = {name: t for t, name in enumerate(scanned.names)}
-    shapes, dtypes = _shapes_and_dtypes(scanned)
+    shapes, dtypes = shapes_and_dtypes(scanned)
     warnings: dict[str, str] = {}
     wanted: list[tuple[Dropped, int, int | None]] = []
     dropped = {d.name for d in conversion.dropped}  # a partner left out too is no stand-in: the entry alone counts
@@ -76,16 +75,6 @@ def dropped_warnings(comm: Comm, scanned: Scanned, conversion: Conversion, buffe
         elif count:
             warnings[d.name] = _differs(d, count, total) if check.partner is not None else _not_zero(d, count, total)
     return warnings
-
-
-def _shapes_and_dtypes(scanned: Scanned) -> tuple[list[tuple[int, ...]], list[str]]:
-    facts = scanned.facts
-    ndim = (facts.ndim_first % FACT_KEY).astype(np.int64)
-    codes = (facts.dtype_first % FACT_KEY).astype(np.int64)
-    full = facts.extent if facts.declared is None else facts.declared
-    shapes = [tuple(int(x) for x in full[t][: ndim[t]]) for t in range(len(scanned.names))]
-    # A tensor with no stored piece has no dtype (its key is the MIN's start): "" never equals a partner's.
-    return shapes, [DTYPES[int(c)].name if n else "" for c, n in zip(codes, facts.count)]
 
 
 def _count(comm: Comm, sub: Scanned, checks: Sequence[_Check], buffer_size: int) -> tuple[list[int], list[str], dict[str, str]]:

@@ -23,7 +23,7 @@ import numpy as np
 from ..adaptation.apply import Conversion
 from ..comm.agreement import Comm, agree, agree_on
 from ..core.errors import InputError
-from ..core.facts import TensorFacts, local_facts, local_odd, piece_destinations, set_odd
+from ..core.facts import FACT_KEY, TensorFacts, local_facts, local_odd, piece_destinations, set_odd
 from ..core.machine import host_name
 from ..core.names import DATA_SUFFIX, METADATA_NAME, nested_hint
 from ..core.reports import count_of
@@ -93,6 +93,17 @@ def open_store(comm: Comm, input_dir: str, endpoint: str | None = None) -> Input
     store = agree(comm, make)
     agree_on(comm, 0, store.check_access)
     return store
+
+
+def shapes_and_dtypes(scanned: Scanned) -> tuple[list[tuple[int, ...]], list[str]]:
+    """Each tensor's full shape and dtype as the facts say (``""``: a tensor with no stored piece)."""
+    facts = scanned.facts
+    ndim = (facts.ndim_first % FACT_KEY).astype(np.int64)
+    codes = (facts.dtype_first % FACT_KEY).astype(np.int64)
+    full = facts.extent if facts.declared is None else facts.declared
+    shapes = [tuple(int(x) for x in full[t][: ndim[t]]) for t in range(len(scanned.names))]
+    # A tensor with no stored piece has no dtype (its key is the MIN's start): "" never equals a partner's.
+    return shapes, [DTYPES[int(c)].name if n else "" for c, n in zip(codes, facts.count)]
 
 
 def open_sources(scanned: Scanned) -> SourceFiles:
@@ -520,6 +531,7 @@ __all__ = [
     "scan",
     "open_store",
     "open_sources",
+    "shapes_and_dtypes",
     "discover",
     "rank_directory",
     "reduce_facts",

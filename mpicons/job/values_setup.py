@@ -12,18 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from ..comm.agreement import Comm, agree, agree_on
+from ..core.blocks import Block, segment_bytes, segment_span
 from ..core.convert import numpy_dtype
 from ..core.errors import InputError
-from ..core.facts import FACT_KEY
+from ..core.layout import Layout
 from ..core.options import Options
 from ..core.planner import HF_MAX_SHARD_SIZE, build_layout
-from ..core.safetensors_codec import DTYPES
 from ..core.value_plan import PEFT_PREFIX, LoraConfig, Shape, ValuePlan, fp8_plan, lora_module, lora_plan, quantize_plan
 from ..core.values import FP8_BLOCK, Quantize, block_amax, scales_of
 from ..io.assets import HFAssets, read_config, with_config, with_folder
@@ -40,7 +41,7 @@ from ..io.places import LocalPlace
 from ..io.s3 import is_s3
 from ..io.s3_sources import S3Place
 from .exchange import feed_blocks
-from .scan import Scanned, open_sources
+from .scan import Scanned, open_sources, shapes_and_dtypes
 from .shares import chosen, distribute, only
 
 #: What peft calls the wrapped base layer of a targeted module.
@@ -239,13 +240,8 @@ def _no_recorded_alpha(scanned: Scanned) -> InputError:
 
 
 def _shapes(scanned: Scanned) -> dict[str, Shape]:
-    facts = scanned.facts
-    ndim = (facts.ndim_first % FACT_KEY).astype(np.int64)
-    codes = (facts.dtype_first % FACT_KEY).astype(np.int64)
-    full = facts.extent if facts.declared is None else facts.declared
-    return {
-        name: Shape(DTYPES[int(codes[t])].name, tuple(int(x) for x in full[t][: ndim[t]])) for t, name in enumerate(scanned.names)
-    }
+    shapes, dtypes = shapes_and_dtypes(scanned)
+    return {name: Shape(dtype, shape) for name, shape, dtype in zip(scanned.names, shapes, dtypes)}
 
 
 def published_assets(assets: HFAssets | None, values: Values | None) -> HFAssets | None:
@@ -299,55 +295,53 @@ def auxiliary(comm: Comm, values: Values, buffer_size: int) -> Gathered | None:
 
 def measure_scales(comm: Comm, sub: Scanned, plan: ValuePlan, buffer_size: int) -> dict[str, np.ndarray]:
     """Every quantized weight's block scales on every rank: each rank takes the block maxima of its share of
-    the rows, then one maximum over the ranks (a block's rows may be several ranks')."""
-    layout = agree(comm, lambda: build_layout(sub.files, sub.names, sub.facts, comm.size, max_shard_size=HF_MAX_SHARD_SIZE))
-    part = distribute(comm, sub, layout)
+    the rows, then one maximum over the ranks for all of them (a block's rows may be several ranks')."""
     scales_name = {weight: name for name, (weight, _) in plan.computed.items()}
-    amax = {t: np.zeros(plan.computed[scales_name[tensor.name]][1], dtype=np.float32) for t, tensor in enumerate(layout.tensors)}
+    grids: dict[int, np.ndarray] = {}  # each weight's block maxima: views of one array, reduced at once
+    maxima: list[np.ndarray] = []
 
-    def take(block: Any, assembled: np.ndarray) -> None:
-        position = 0
-        for segment in block.segments:
-            tensor = layout.tensors[segment.tensor]
-            size = (segment.row_end - segment.row_begin) * (tensor.unit if segment.prefix else tensor.row_bytes)
-            op = plan.ops[tensor.name]
-            assert isinstance(op, Quantize)
-            if segment.prefix:
-                rows, cols = (segment.prefix[0], segment.prefix[0] + 1), (segment.row_begin, segment.row_end)
-            else:
-                rows, cols = (segment.row_begin, segment.row_end), (0, tensor.storage[1])
-            values = assembled[position : position + size].view(numpy_dtype(tensor.dtype)).reshape(rows[1] - rows[0], -1)
-            position += size
-            if values.size:
-                row_blocks, col_blocks, grid = block_amax(values, rows, cols, op.block)
-                np.maximum(amax[segment.tensor][row_blocks, col_blocks], grid, out=amax[segment.tensor][row_blocks, col_blocks])
+    def sink_for(layout: Layout) -> Callable[[Block, np.ndarray], None]:
+        shapes = [plan.computed[scales_name[tensor.name]][1] for tensor in layout.tensors]
+        flat = np.zeros(sum(int(np.prod(shape)) for shape in shapes), dtype=np.float32)
+        starts = np.cumsum([0] + [int(np.prod(shape)) for shape in shapes])
+        grids.update({t: flat[starts[t] : starts[t + 1]].reshape(shape) for t, shape in enumerate(shapes)})
+        maxima.append(flat)
 
-    sources = open_sources(sub)
-    try:
-        agree(comm, lambda: feed_blocks(comm, sub, layout, part, sources, buffer_size, take))
-    finally:
-        sources.close()
-    for array in amax.values():
-        comm.allreduce_array(array, "max")
-    return {scales_name[layout.tensors[t].name]: scales_of(array) for t, array in amax.items()}
+        def take(block: Block, assembled: np.ndarray) -> None:
+            position = 0
+            for segment in block.segments:
+                tensor, size = layout.tensors[segment.tensor], segment_bytes(layout, segment)[0]
+                rows, cols = segment_span(layout, segment)
+                values = assembled[position : position + size].view(numpy_dtype(tensor.dtype)).reshape(rows[1] - rows[0], -1)
+                position += size
+                op = plan.ops[tensor.name]
+                if values.size and isinstance(op, Quantize):
+                    row_blocks, col_blocks, grid = block_amax(values, rows, cols, op.block)
+                    held = grids[segment.tensor][row_blocks, col_blocks]
+                    np.maximum(held, grid, out=held)
+
+        return take
+
+    layout = _read_whole(comm, sub, buffer_size, sink_for)
+    comm.allreduce_array(maxima[0], "max")
+    return {scales_name[tensor.name]: scales_of(grids[t]) for t, tensor in enumerate(layout.tensors)}
 
 
 def gather_whole(comm: Comm, sub: Scanned, buffer_size: int, as_float32: bool = True) -> dict[str, np.ndarray]:
     """Every tensor of ``sub`` whole on every rank (in float32, or ``as_float32=False`` as saved): each rank
     assembles its share of the rows, then one sum over the ranks (each byte is one rank's) gives everyone
     all of them."""
-    layout = agree(comm, lambda: build_layout(sub.files, sub.names, sub.facts, comm.size, max_shard_size=HF_MAX_SHARD_SIZE))
-    part = distribute(comm, sub, layout)
-    data = [np.zeros(f.size, dtype=np.uint8) for f in layout.files]
+    data: list[np.ndarray] = []
 
-    def keep(block: Any, assembled: np.ndarray) -> None:
-        data[block.file][block.offset : block.offset + block.size] = assembled[: block.size]
+    def sink_for(layout: Layout) -> Callable[[Block, np.ndarray], None]:
+        data.extend(np.zeros(f.size, dtype=np.uint8) for f in layout.files)
 
-    sources = open_sources(sub)
-    try:
-        agree(comm, lambda: feed_blocks(comm, sub, layout, part, sources, buffer_size, keep))
-    finally:
-        sources.close()
+        def keep(block: Block, assembled: np.ndarray) -> None:
+            data[block.file][block.offset : block.offset + block.size] = assembled[: block.size]
+
+        return keep
+
+    layout = _read_whole(comm, sub, buffer_size, sink_for)
     for array in data:
         comm.allreduce_array(array, "sum")
     result = {}
@@ -356,6 +350,22 @@ def gather_whole(comm: Comm, sub: Scanned, buffer_size: int, as_float32: bool = 
         values = raw.view(numpy_dtype(tensor.dtype)).reshape(tensor.shape)
         result[tensor.name] = values.astype(np.float32) if as_float32 else values
     return result
+
+
+def _read_whole(
+    comm: Comm, sub: Scanned, buffer_size: int, sink_for: Callable[[Layout], Callable[[Block, np.ndarray], None]]
+) -> Layout:
+    """Each rank's share of the rows of every tensor of ``sub`` assembled (collective) and handed to the sink
+    ``sink_for`` makes for their layout; the layout."""
+    layout = agree(comm, lambda: build_layout(sub.files, sub.names, sub.facts, comm.size, max_shard_size=HF_MAX_SHARD_SIZE))
+    part = distribute(comm, sub, layout)
+    sink = sink_for(layout)
+    sources = open_sources(sub)
+    try:
+        agree(comm, lambda: feed_blocks(comm, sub, layout, part, sources, buffer_size, sink))
+    finally:
+        sources.close()
+    return layout
 
 
 __all__ = [
