@@ -49,6 +49,8 @@ def test_every_consolidate_option_is_passed_on():
             "--force",
             "--break-lock",
             "--no-sync",
+            "--no-manifest",
+            "--restart",
             "--progress",
             "3",
             "-v",
@@ -107,6 +109,8 @@ def test_every_consolidate_option_is_passed_on():
         lora="adapter",
         no_merge=True,
         sync=False,
+        manifest=False,
+        restart=True,
         progress=3.0,
         verbose=True,
     )

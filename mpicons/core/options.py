@@ -124,6 +124,14 @@ class Options:
         None, "Write every output on this rank only (its local output directory); data moves over MPI."
     )
     sync: bool = _option(True, "Flush outputs to stable storage before publishing them (``False``: faster, not power-loss safe).")
+    manifest: bool = _option(
+        True, "Publish ``SHA256SUMS`` (every published file's SHA-256, ``sha256sum -c`` format) with the weights."
+    )
+    restart: bool = _option(
+        False,
+        "Discard what an earlier, stopped run of the same command left to continue from (by default a rerun "
+        "keeps its durable blocks when the inputs, options and mpicons version are the same).",
+    )
     include: tuple[str, ...] = _option(
         (), "Glob patterns (``fnmatch``, on the full state-dict name): keep only the tensors matching one. Empty: all."
     )
@@ -307,6 +315,8 @@ class Publishing:
     force: bool
     break_lock: bool
     sync: bool
+    manifest: bool
+    restart: bool
 
 
 @dataclass(frozen=True)

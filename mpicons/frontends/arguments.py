@@ -452,6 +452,17 @@ def _add_run_options(cmd: argparse.ArgumentParser) -> None:
         help="do not flush outputs to stable storage (scratch data, benchmarks): faster, not power-loss safe",
     )
     cmd.add_argument(
+        "--no-manifest",
+        dest="manifest",
+        action="store_false",
+        help="publish no SHA256SUMS beside the weights (saves hashing every file once)",
+    )
+    cmd.add_argument(
+        "--restart",
+        action="store_true",
+        help="discard what a stopped earlier run of this command left, instead of continuing from it",
+    )
+    cmd.add_argument(
         "--progress",
         type=_seconds,
         default=DEFAULT_PROGRESS_SECONDS,

@@ -381,13 +381,19 @@ def settle(directory: str, staging: str) -> str:
     return f"undid an interrupted run's half-done publishing ({name}): the directory is as it was before"
 
 
-def recover(directory: str) -> list[str]:
+def staging_directories(directory: str) -> list[str]:
+    """The staging directories runs left in ``directory``, by name."""
+    return [
+        entry.path
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name)
+        if entry.name.startswith(STAGING_PREFIX) and entry.is_dir(follow_symlinks=False)
+    ]
+
+
+def recover(directory: str, keep: Sequence[str] = ()) -> list[str]:
     """Finish what crashed runs left (call with the lock held); returns one note per thing done.
+    ``keep``: staging directories left as they are (a stopped run's partial output, to continue from).
 
     Raises :class:`UntrustedJournal` (exit 2) for a staging directory it cannot prove it may change.
     """
-    notes = []
-    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        if entry.name.startswith(STAGING_PREFIX) and entry.is_dir(follow_symlinks=False):
-            notes.append(settle(directory, entry.path))
-    return notes
+    return [settle(directory, staging) for staging in staging_directories(directory) if staging not in keep]

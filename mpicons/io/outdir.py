@@ -11,15 +11,27 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..core.errors import InputError, WriteError
 from ..core.names import CHECKPOINT_FILE, INDEX_NAME, SHARD_FILE, plain_file_name
 from . import journal
-from .journal import STAGING_PREFIX, Transaction, describe_names, recover, settle
+from .journal import (
+    JOURNAL_NAME,
+    STAGING_PREFIX,
+    Transaction,
+    describe_names,
+    recover,
+    remove_staging,
+    settle,
+    staging_directories,
+)
 from .lock import OutputLock
+from .manifest import MANIFEST_NAME
 from .regular_files import write_new_file
+from .resume import BLOCKS_PREFIX, RESUME_NAME, RunIdentity, is_resumable, read_identity
 
 
 def refuse_sharded(path: str) -> None:
@@ -46,7 +58,7 @@ def checkpoint_entries(path: str) -> list[str]:
     return sorted(
         entry.name
         for entry in os.scandir(path)
-        if (CHECKPOINT_FILE.match(entry.name) or entry.name in listed)
+        if (CHECKPOINT_FILE.match(entry.name) or entry.name in listed or entry.name == MANIFEST_NAME)
         and (entry.is_file(follow_symlinks=False) or entry.is_symlink())
     )
 
@@ -87,12 +99,18 @@ class OutputDir:
     #: Existing entries the new checkpoint replaces (decided by :meth:`replaced_entries`).
     aside: list[str] = field(default_factory=list)
     published: bool = False
+    #: Stopped runs' staging directories this run may continue from (decided by :meth:`stage`).
+    partial: list[str] = field(default_factory=list)
+    #: This run's staging directory is marked resumable: kept, not removed, when the run fails.
+    keep_partial: bool = False
 
     @classmethod
-    def open(cls, path: str, break_lock: bool = False) -> OutputDir:
+    def open(cls, path: str, break_lock: bool = False, restart: bool = False) -> OutputDir:
         """Create ``path`` if needed, take its lock and recover what crashed runs left there.
 
-        A directory of shard files is refused before anything is created in it.
+        A stopped run's partial output (a resumable staging directory that never began publishing) is
+        kept for :meth:`stage` to continue from, unless ``restart``. A directory of shard files is
+        refused before anything is created in it.
         """
         created = _make_directories(path)
         try:
@@ -103,7 +121,8 @@ class OutputDir:
             raise
         session = cls(path, lock, created, notes)
         try:
-            session.notes += recover(path)
+            session.partial = [] if restart else [d for d in staging_directories(path) if _is_partial(d)]
+            session.notes += recover(path, keep=session.partial)
         except BaseException:
             session.close()
             raise
@@ -128,14 +147,39 @@ class OutputDir:
             )
         return entries
 
-    def stage(self) -> str:
-        """Create this run's private staging directory (named with its lock's token); every new file is
-        created inside it."""
+    def stage(self, identity: RunIdentity | None = None, weights: Sequence[str] = ()) -> tuple[str, bool]:
+        """This run's private staging directory (named with its lock's token), where every new file is
+        created; and whether it is a stopped earlier run's, continued.
+
+        With an ``identity``, a stopped run's staging directory marked with the same one is taken over
+        (renamed) and keeps its ``weights`` files and block logs; every other one is removed, with a
+        note saying why it could not be continued.
+        """
         staging = os.path.join(self.path, STAGING_PREFIX + self.lock.holder.token)
-        os.mkdir(staging, 0o755)
-        os.chmod(staging, 0o755)  # whatever the umask: every rank opens the files staged here
+        adopted = None
+        for earlier in self.partial:
+            seen = read_identity(earlier)
+            why = "it is not marked as mpicons marks one" if seen is None else None
+            if identity is None:
+                why = why or "this run cannot continue one (--no-sync, --io mpiio, HDF5, or inputs not on a shared file system)"
+            else:
+                why = why or identity.difference(seen)  # type: ignore[arg-type]
+            if why is None and adopted is None:
+                adopted = earlier
+                continue
+            remove_staging(earlier)
+            name = os.path.basename(earlier)
+            self.notes.append(f"started afresh: an earlier run's partial output ({name}) was discarded: {why}")
+        self.partial = []
+        if adopted is not None:
+            os.rename(adopted, staging)
+            _keep_only(staging, set(weights) | {RESUME_NAME})
+        else:
+            os.mkdir(staging, 0o755)
+            os.chmod(staging, 0o755)  # whatever the umask: every rank opens the files staged here
         self.staging = staging
-        return staging
+        self.keep_partial = identity is not None
+        return staging, adopted is not None
 
     def write_staged(self, name: str, data: bytes, durable: bool = True) -> None:
         """Create one small file (the index) in the staging directory."""
@@ -162,13 +206,32 @@ class OutputDir:
     def close(self) -> None:
         """End the run: unpublished staged files removed, lock released, directories this run made removed if empty."""
         try:
-            if self.staging is not None and os.path.isdir(self.staging):
+            if self.staging is not None and os.path.isdir(self.staging) and not self._kept():
                 _abandon(self.path, self.staging)
             self.staging = None
         finally:
             self.lock.release()
             if not self.published:
                 _remove_empty(self.created)
+
+    def _kept(self) -> bool:
+        """A failed run's staging directory stays for the same command to continue from: it is marked
+        resumable and publishing never began."""
+        assert self.staging is not None
+        return self.keep_partial and _is_partial(self.staging)
+
+
+def _is_partial(staging: str) -> bool:
+    """A stopped run's resumable staging directory that never began publishing."""
+    return is_resumable(staging) and not os.path.lexists(os.path.join(staging, JOURNAL_NAME))
+
+
+def _keep_only(staging: str, names: set[str]) -> None:
+    """Remove from a continued staging directory what a rerun makes again (assets, index, manifest)."""
+    for entry in os.scandir(staging):
+        if entry.name in names or entry.name.startswith(BLOCKS_PREFIX):
+            continue
+        shutil.rmtree(entry.path) if entry.is_dir(follow_symlinks=False) else os.unlink(entry.path)
 
 
 def _abandon(directory: str, staging: str) -> None:

@@ -173,6 +173,17 @@ class PosixOutput(_Output, CachedHandles):
                 src_offset, offset, length = src_offset + done, offset + done, length - done
         _bounce_copy(self, sources, src, src_offset, file, offset, length, bounce)
 
+    def flusher(self) -> Callable[[], None]:
+        """What flushes the outputs open now, callable from the I/O thread: a handle stays open until the
+        writer's background calls are drained (:class:`HandleCache` drains before closing one)."""
+        open_now = list(self._cache.handles.items())
+
+        def flush() -> None:
+            for file, fd in open_now:
+                self._flush(self.paths[file], fd)
+
+        return flush
+
     def sync(self) -> None:
         """Flush what this rank wrote (handles closed earlier were flushed when they were closed)."""
         for file, fd in self._cache.handles.items():

@@ -64,6 +64,10 @@ class ConsolidateResult:
     #: What the trainer's leaf said of the input: the checkpoint recognised (its iteration), the adapter it
     #: chose, where the config came from; one line each.
     input_notes: list[str] = field(default_factory=list)
+    #: Output bytes a stopped earlier run of the same command had made durable, kept instead of written again.
+    resumed_bytes: int = 0
+    #: The checksum manifest published with the weights (``SHA256SUMS``), or "" (``manifest=False``, S3).
+    manifest: str = ""
 
 
 def consolidate(
@@ -111,7 +115,7 @@ def consolidate(
             raise InputError(f"{output_dir}: --no-merge writes a lora_adapter/ folder, which an s3:// output does not take yet")
         target: Target = S3Target.open(comm, input_dir, output_dir, options)
     else:
-        target = DirectoryTarget(comm, output_dir, options.publishing, options.tuning, inside_input)
+        target = DirectoryTarget(comm, output_dir, options, inside_input)
     return _run(comm, input_dir, target, options)
 
 
@@ -130,6 +134,9 @@ class Target(Protocol):
     def write(self, scanned: Scanned, layout: Layout, part: Part, assets: HFAssets | None) -> Written: ...
     def publish(self, layout: Layout, assets: HFAssets | None) -> None: ...  # the commit point
     def release(self, failure: BaseException | None) -> None: ...
+
+    resumed: int  # after write: bytes kept from a stopped earlier run (every rank's, summed)
+    manifest: str  # after publish: the checksum manifest's name, or ""
 
 
 #: What a target's write returns: the (re-targeted) layout, the bytes this rank wrote and sent, the MPI-IO hints in effect.
@@ -167,6 +174,7 @@ def _run(comm: Comm, input_dir: str, target: Target, options: Options) -> Consol
     target.release(None)
     stats = reduce_stats(comm, clock, written, len(layout.files), len(layout.tensors), layout.total_bytes)
     result = _result(comm, target.output, options, scanned, layout, stats, written, moved, in_effect, notes)
+    result = replace(result, resumed_bytes=target.resumed, manifest=target.manifest)
     return _with_names_report(result, scanned, options, begun.adapter)
 
 

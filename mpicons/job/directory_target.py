@@ -7,8 +7,11 @@ nor inside one, its names fit the file system, the buffers fit the node's memory
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import stat
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from ..comm.agreement import Comm, agree, agree_on, wait_for_all
@@ -17,15 +20,20 @@ from ..core.errors import InputError, MpiconsError
 from ..core.layout import Layout
 from ..core.machine import check_buffer_size, check_names_fit, check_path_fits, host_name
 from ..core.names import INDEX_NAME
-from ..core.options import DTYPE_TARGETS, Publishing, Tuning
+from ..core.options import DTYPE_TARGETS, Options
 from ..core.parts import Part
+from ..core.reports import human_size
 from ..io.backends import open_output
+from ..io.manifest import HASH_STEP, MANIFEST_NAME, files_below, format_manifest, hash_file
 from ..io.outdir import OutputDir, directory_identity, identities_up
 from ..io.output_formats import output_format
 from ..io.outputs import OutputBackend
+from ..io.resume import BlockLog, DoneRanges, RunIdentity, read_done, write_identity
 from ..io.sources import SourceFiles
 from .adapter_setup import refuse_checkpoint_output
+from .checksums import hash_over_ranks, hash_share
 from .pipeline import Start
+from .resumption import Resume, run_identity
 from .scan import Scanned, open_sources, rank_directory
 from .writer import write_share
 
@@ -40,11 +48,16 @@ class DirectoryTarget:
 
     min_part = 0  # any rank may write any stretch of a file
 
-    def __init__(self, comm: Comm, output_dir: str, publishing: Publishing, tuning: Tuning, inside_input: bool = False) -> None:
+    def __init__(self, comm: Comm, output_dir: str, options: Options, inside_input: bool = False) -> None:
         self.comm, self.output, self.inside_input = comm, output_dir, inside_input
-        self.publishing, self.tuning = publishing, tuning
-        self.owner = tuning.gather_to if tuning.gather_to is not None else 0
+        self.options, self.publishing, self.tuning = options, options.publishing, options.tuning
+        self.owner = self.tuning.gather_to if self.tuning.gather_to is not None else 0
         self.held: OutputDir | None = None  # on the owner, once held
+        self.token = ""  # the staging directory's (the owner's lock's), on every rank once staged
+        self.digests: dict[str, str] = {}  # the weights' SHA-256 by file name, once written
+        self.resumed = 0  # bytes an earlier run had made durable, kept (every rank's, summed)
+        self.manifest = MANIFEST_NAME if self.publishing.manifest else ""
+        self.notes: list[str] = []
 
     def check(self, begun: Start) -> None:
         """Before anything is made: the output is no trainer's checkpoint nor the input, its names fit,
@@ -57,14 +70,15 @@ class DirectoryTarget:
         """The owner takes the directory (made if needed, locked, what a crashed run left recovered); its notes."""
 
         def open_directory() -> list[str]:
-            self.held = OutputDir.open(self.output, self.publishing.break_lock)
+            self.held = OutputDir.open(self.output, self.publishing.break_lock, self.publishing.restart)
             return self.held.notes
 
         notes = agree_on(self.comm, self.owner, open_directory)
         if self.comm.rank == 0:
             for note in notes:
                 log.info("%s: %s", self.output, note)
-        return notes
+        self.notes = list(notes)  # the stage's notes are added to these
+        return self.notes
 
     def check_names(self, names: dict[str, str]) -> None:
         check_output_names(self.comm, self.owner, self.output, names)
@@ -75,19 +89,13 @@ class DirectoryTarget:
     def write(
         self, scanned: Scanned, layout: Layout, part: Part, assets: HFAssets | None
     ) -> tuple[Layout, int, int, dict[str, str]]:
-        """Stage every output in the owner's private directory and fill it; returns the (re-targeted) layout,
-        the bytes this rank wrote and sent, and the MPI-IO hints in effect."""
+        """Stage every output in the owner's private directory (a stopped identical run's, continued) and fill
+        it; returns the (re-targeted) layout, the bytes this rank wrote and sent, and the MPI-IO hints in effect."""
         comm, publishing, tuning = self.comm, self.publishing, self.tuning
         fmt = output_format(publishing.output_format)
         layout = fmt.target(layout)
-        names = fmt.final_names(layout) + ([] if assets is None else list(assets.published_names))
-
-        def stage() -> str:
-            session = self._held()
-            session.aside = session.replaced_entries(names, publishing.force, checkpoint=fmt.checkpoint)
-            return session.stage()
-
-        staging = agree_on(comm, self.owner, stage)
+        identity = run_identity(comm, scanned, layout, self.options)
+        staging, done = self._stage(layout, identity, assets)
         if fmt.preallocated:
             layout = agree_on(comm, self.owner, lambda: fmt.lay_out(staging, layout))
         paths = [os.path.join(staging, f.name) for f in layout.files]
@@ -95,17 +103,77 @@ class DirectoryTarget:
             comm,
             lambda: open_output(
                 tuning.io, comm, paths, [f.header for f in layout.files], [f.size for f in layout.files], tuning.hints,
-                preallocated=fmt.preallocated, owner=self.owner, durable=publishing.sync,
+                preallocated=fmt.preallocated or done is not None, owner=self.owner, durable=publishing.sync,
             ),
         )  # fmt: skip
         sources = open_sources(scanned)
+        resume = None
         try:
             agree(comm, output.create)
-            written, moved = agree(comm, lambda: write_share(comm, scanned, layout, part, sources, output, tuning))
-            agree(comm, output.sync)
+            if identity is not None:
+                if done is None:
+                    agree_on(comm, self.owner, lambda: write_identity(staging, identity))
+                resume = Resume(done or DoneRanges([], []), BlockLog(staging, self.token, comm.rank), output.flusher)
+            written, moved = agree(comm, lambda: write_share(comm, scanned, layout, part, sources, output, tuning, resume))
+            self.digests = self._sync_and_hash(output, paths, layout)
+            if resume is not None:
+                agree(comm, lambda: resume.log.append(resume.log.take()))
+            self.resumed = comm.allreduce(0 if resume is None else resume.resumed, "sum")
             return layout, written, moved, output.hints_in_effect()
         finally:
+            if resume is not None:
+                resume.log.close()
             _close_quietly(output, sources)
+
+    def _stage(self, layout: Layout, identity: RunIdentity | None, assets: HFAssets | None) -> tuple[str, DoneRanges | None]:
+        """The owner's staging directory, made or continued; with the earlier run's durable ranges when continued."""
+        fmt, publishing = output_format(self.publishing.output_format), self.publishing
+        names = fmt.final_names(layout) + ([] if assets is None else list(assets.published_names))
+        names += [MANIFEST_NAME] if publishing.manifest else []
+        weights = [f.name for f in layout.files]
+
+        def stage() -> tuple[str, str, DoneRanges | None, list[str]]:
+            session = self._held()
+            session.aside = session.replaced_entries(names, publishing.force, checkpoint=fmt.checkpoint)
+            before = len(session.notes)
+            staging, continued = session.stage(identity, weights)
+            done = read_done(staging, [f.size for f in layout.files]) if continued else None
+            if done is not None:
+                check_staged_sizes(staging, layout)
+            return staging, session.lock.holder.token, done, session.notes[before:]
+
+        staging, self.token, done, notes = agree_on(self.comm, self.owner, stage)
+        if done is not None:
+            notes.append(f"continuing a stopped earlier run of this command: {human_size(done.total)} it wrote are kept")
+        if self.comm.rank == 0:
+            for note in notes:
+                log.info("%s: %s", self.output, note)
+        self.notes += notes
+        return staging, done
+
+    def _sync_and_hash(self, output: OutputBackend, paths: list[str], layout: Layout) -> dict[str, str]:
+        """Flush the outputs and hash them (``SHA256SUMS``), overlapped: the hashing reads them back from the
+        page cache while the flush waits for the disk. Every file is hashed whole by one rank."""
+        comm = self.comm
+        if not self.publishing.manifest:
+            agree(comm, output.sync)
+            return {}
+        sizes = [f.size for f in layout.files]
+        if not output.threaded:  # MPI-IO's flush is collective: not from a thread
+            agree(comm, output.sync)
+            return dict(zip((f.name for f in layout.files), hash_over_ranks(comm, paths, sizes)))  # type: ignore[arg-type]
+
+        def both() -> dict[int, str | None]:
+            with ThreadPoolExecutor(1, thread_name_prefix="mpicons-sync") as pool:
+                flushed = pool.submit(output.sync)
+                mine = hash_share(paths, sizes, comm.rank, comm.size)
+                flushed.result()
+            return mine
+
+        digests: dict[int, str | None] = {}
+        for share in agree(comm, both, gather=True):
+            digests.update(share)
+        return {f.name: str(digests[i]) for i, f in enumerate(layout.files)}
 
     def publish(self, layout: Layout, assets: HFAssets | None) -> None:
         """The owner stages the Hugging Face assets and the index, and publishes everything as one
@@ -126,10 +194,25 @@ class DirectoryTarget:
                 index = fmt.index(layout)
                 if index is not None:
                     session.write_staged(INDEX_NAME, index, durable)
-                session.publish(staged + fmt.final_names(layout), session.aside, durable, before_commit=raise_pending)
+                final = fmt.final_names(layout)
+                if options.manifest:
+                    session.write_staged(MANIFEST_NAME, self._manifest(session, staged, index), durable)
+                    final = [*final[:-1], MANIFEST_NAME, final[-1]]  # the commit point stays last
+                session.publish(staged + final, session.aside, durable, before_commit=raise_pending)
                 forget_pending()
 
         agree_on(self.comm, self.owner, publish)
+
+    def _manifest(self, session: OutputDir, staged: list[str], index: bytes | None) -> bytes:
+        """``SHA256SUMS``: the weights' digests (hashed after writing), the staged assets' and the index's."""
+        assert session.staging is not None
+        digests = dict(self.digests)
+        buffer = memoryview(bytearray(HASH_STEP))
+        for name in files_below(session.staging, staged):
+            digests[name] = hash_file(os.path.join(session.staging, name), buffer)
+        if index is not None:
+            digests[INDEX_NAME] = hashlib.sha256(index).hexdigest()
+        return format_manifest(digests)
 
     def release(self, failure: BaseException | None) -> None:
         """The directory let go of (staging removed and the lock released unless published); after a
@@ -142,6 +225,19 @@ class DirectoryTarget:
     def _held(self) -> OutputDir:
         assert self.held is not None, "the owner holds the output directory"
         return self.held
+
+
+def check_staged_sizes(staging: str, layout: Layout) -> None:
+    """A continued run's staged files are the regular files of the sizes its layout gives (else someone
+    changed them: nothing of them is trusted)."""
+    for file in layout.files:
+        path = os.path.join(staging, file.name)
+        info = os.lstat(path) if os.path.lexists(path) else None
+        if info is None or not stat.S_ISREG(info.st_mode) or info.st_size != file.size:
+            raise InputError(
+                f"{path}: a stopped earlier run's output file is missing or not the size it was made with: rerun "
+                "with --restart to discard what that run left"
+            )
 
 
 def check_machine(comm: Comm, input_dir: str, output_dir: str, buffer_size: int, inside_input: bool = False) -> None:

@@ -65,6 +65,8 @@ class S3Target:
     the uploads' ids and ETags; every method is collective."""
 
     min_part = MIN_PART  # every part but a file's last is at least S3's smallest
+    resumed = 0  # an object-store output is never continued: a stopped run's uploads are aborted or expire
+    manifest = ""  # no SHA256SUMS object yet
 
     def __init__(self, comm: Comm, url: str, publishing: Publishing, storage: Storage, tuning: Tuning, owner: int = 0) -> None:
         self.comm = comm

@@ -26,6 +26,7 @@ from ..io.outputs import OutputBackend
 from ..io.sources import SourceFiles
 from .exchange import ExchangeWriter
 from .progress import Progress
+from .resumption import Resume
 from .scan import Scanned
 
 #: Contiguous copies are issued in steps of this size so progress and signals are seen often.
@@ -49,6 +50,7 @@ class Background:
     """
 
     def __init__(self, workers: int) -> None:
+        self.workers = workers
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="mpicons-io") if workers else None
         self.pending: deque[Future[None]] = deque()
 
@@ -92,8 +94,10 @@ class Writer:
         buffer_size: int,
         on_bytes: Callable[[int], None] | None = None,
         io_threads: int = 0,
+        resume: Resume | None = None,
     ) -> None:
         threads = io_threads if output.threaded else 0
+        self.resume = resume
         slots = 2 if threads else 1
         self.layout = layout
         self.part = part
@@ -143,6 +147,9 @@ class Writer:
     def _write_segments(self, segments: list[Segment]) -> None:
         for whole in blocks(self.layout, segments, self.block_bytes):
             for block, runs in self.assembler.split(whole):
+                if self.resume is not None and self.resume.skip(block.file, block.offset, block.size):
+                    self.on_bytes(block.size)
+                    continue
                 block_hook(block.size)
                 buffer = self._next_slot(block.size)
                 data = self.assembler.assemble(block, buffer, runs)
@@ -151,6 +158,19 @@ class Writer:
                 self.busy[self.slot] = self.background.submit(self.output.write, block.file, block.offset, data.data)
                 self.on_bytes(block.size)
                 self.written += block.size
+                self._wrote(block.file, block.offset, block.size)
+
+    def _wrote(self, file: int, offset: int, length: int) -> None:
+        """Note a range submitted for writing; now and then record what is durable (write-ahead: the
+        bytes are flushed first, by the I/O thread after the writes before it, or here after a drain)."""
+        if self.resume is None or not self.resume.wrote(file, offset, length):
+            return
+        record = self.resume.record_task()
+        if self.background.workers == 1:
+            self.background.submit(record)  # one I/O thread runs its calls in order
+        else:
+            self.background.drain()
+            record()
 
     def _next_slot(self, size: int) -> np.ndarray:
         """The other output buffer, once its last write has finished (grown for an oversized block)."""
@@ -177,18 +197,31 @@ class Writer:
             self.output.open(copy.out)
         for start in range(0, copy.length, COPY_CHUNK):
             step = min(COPY_CHUNK, copy.length - start)
+            if self.resume is not None and self.resume.skip(copy.out, copy.offset + start, step):
+                self.on_bytes(step)
+                continue
             self.background.submit(self._copy_step, copy.file, copy.src + start, copy.out, copy.offset + start, step)
             self.on_bytes(step)
             self.written += step
+            self._wrote(copy.out, copy.offset + start, step)
 
     def _copy_step(self, file: int, src: int, out: int, offset: int, length: int) -> None:
         self.output.copy(self.sources, file, src, out, offset, length, self._bounce_buffer())
 
 
 def write_share(
-    comm: Comm, scanned: Scanned, layout: Layout, part: Part, sources: SourceFiles, output: OutputBackend, tuning: Tuning
+    comm: Comm,
+    scanned: Scanned,
+    layout: Layout,
+    part: Part,
+    sources: SourceFiles,
+    output: OutputBackend,
+    tuning: Tuning,
+    resume: Resume | None = None,
 ) -> tuple[int, int]:
-    """This rank's share of the writing (bytes written, bytes sent); with progress, reports flow to rank 0 meanwhile."""
+    """This rank's share of the writing (bytes written, bytes sent); with progress, reports flow to rank 0
+    meanwhile. ``resume``: blocks an earlier run made durable are skipped, and what is durable is recorded
+    (the plain writer only: an exchanging job is never continued)."""
     exchanging = not scanned.shared or tuning.gather_to is not None
     # Making the channel and the reporter, and their teardown, are a protocol every rank must complete:
     # a signal stops only the writing itself (the exchange polls for signals between its blocks).
@@ -201,9 +234,7 @@ def write_share(
             if not exchanging:
                 with raising_inside():
                     raise_pending()
-                    written = Writer(
-                        layout, part, sources, output, tuning.buffer_size, on_bytes, io_threads=tuning.io_threads
-                    ).run()
+                    written = Writer(layout, part, sources, output, tuning.buffer_size, on_bytes, tuning.io_threads, resume).run()
                 stopped = False
                 return written, 0
             writer = ExchangeWriter(
