@@ -502,6 +502,8 @@ def job_options(args: argparse.Namespace) -> Options:
         max_shard_size=args.max_shard_size,
         gather_to=args.gather_to,
         sync=args.sync,
+        manifest=args.manifest,
+        restart=args.restart,
         verbose=args.verbose,
         **planned,
     )

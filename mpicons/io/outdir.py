@@ -103,6 +103,8 @@ class OutputDir:
     partial: list[str] = field(default_factory=list)
     #: This run's staging directory is marked resumable: kept, not removed, when the run fails.
     keep_partial: bool = False
+    #: The staging directory a failed run kept for the same command to continue from.
+    kept: str | None = None
 
     @classmethod
     def open(cls, path: str, break_lock: bool = False, restart: bool = False) -> OutputDir:
@@ -206,8 +208,11 @@ class OutputDir:
     def close(self) -> None:
         """End the run: unpublished staged files removed, lock released, directories this run made removed if empty."""
         try:
-            if self.staging is not None and os.path.isdir(self.staging) and not self._kept():
-                _abandon(self.path, self.staging)
+            if self.staging is not None and os.path.isdir(self.staging):
+                if self._kept():
+                    self.kept = self.staging
+                else:
+                    _abandon(self.path, self.staging)
             self.staging = None
         finally:
             self.lock.release()

@@ -219,6 +219,13 @@ class DirectoryTarget:
         failure every rank agreed on, every rank returns together."""
         if self.held is not None:
             self.held.close()
+            if self.held.kept is not None:
+                log.warning(
+                    "%s: what this run wrote and made durable is kept in %s: run the same command again to continue "
+                    "from it, or add --restart to discard it",
+                    self.output,
+                    self.held.kept,
+                )
         if isinstance(failure, MpiconsError):
             wait_for_all(self.comm)
 

@@ -10,7 +10,9 @@ slowly), ``hold-write`` (every rank waits at its first block until the file name
 ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``read-error`` (every shard read fails),
 ``kill-write`` (the rank SIGKILLs itself mid-write), ``publish-STEP-HOW`` (at the publishing step
 whose label starts with STEP: ``error`` raises an I/O error, ``kill`` SIGKILLs the process,
-``term`` sends it SIGTERM).
+``term`` sends it SIGTERM), ``stop-BYTES-HOW`` (every rank records what is durable after each block,
+and stops as it starts the block after BYTES bytes of its own: ``kill`` SIGKILLs it, ``term`` sends it
+SIGTERM).
 
 The command line runs through ``mpicons.frontends.cli.run`` exactly as the console script does; the rank is
 taken from the launcher's environment, so MPI starts where it always does.
@@ -58,6 +60,20 @@ elif fault == "hold-write":  # every rank: hold the first block until the test c
                 time.sleep(0.02)
 
     mpicons.job.writer.block_hook = hold_first
+elif fault.startswith("stop-"):  # every rank: records after every block, stopped at a chosen byte
+    import mpicons.job.resumption
+
+    _, limit, how = fault.split("-")
+    mpicons.job.resumption.RECORD_EVERY = 1
+    written = [0]
+
+    def stop_after(size):
+        if written[0] >= int(limit):
+            os.kill(os.getpid(), signal.SIGKILL if how == "kill" else signal.SIGTERM)
+            time.sleep(30)
+        written[0] += size
+
+    mpicons.job.writer.block_hook = stop_after
 elif rank == victim:
     if fault == "write-oserror":
 
