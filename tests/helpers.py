@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -109,6 +110,22 @@ def assert_consolidated(output_dir: str | os.PathLike[str], expected: Tensors, w
         )
     leftovers = [p.name for p in output_dir.iterdir() if p.name.startswith(".")]
     assert leftovers == []
+    assert_manifest(output_dir)
+
+
+def assert_manifest(output_dir: str | os.PathLike[str]) -> None:
+    """``SHA256SUMS`` lists every published file (hidden entries aside) with its SHA-256, as ``sha256sum -c`` reads it."""
+    output_dir = Path(output_dir)
+    lines = (output_dir / "SHA256SUMS").read_text().splitlines()
+    listed = dict(reversed(line.split("  ", 1)) for line in lines)
+    files = sorted(
+        str(p.relative_to(output_dir))
+        for p in output_dir.rglob("*")
+        if p.is_file() and p.name != "SHA256SUMS" and not str(p.relative_to(output_dir)).startswith(".")
+    )
+    assert sorted(listed) == files
+    for name, digest in listed.items():
+        assert hashlib.sha256((output_dir / name).read_bytes()).hexdigest() == digest, f"{name}: its SHA-256 differs"
 
 
 def index_weight_map(mapping: dict[str, int]) -> dict[str, str]:

@@ -75,6 +75,7 @@ def test_a_checkpoint_in_consolidated_is_replaced_only_with_force(tmp_path, rank
     assert proc.returncode == 0, proc.stderr
     names = sorted(p.name for p in (work / "consolidated").iterdir())
     assert names == [  # the old checkpoint replaced as consolidate --force replaces one; other files stay
+        "SHA256SUMS",
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",

@@ -192,3 +192,24 @@ def test_identity_says_what_differs():
     assert "mpicons 0" in (one.difference(RunIdentity("0", "a", "b", "c")) or "")
     assert RunIdentity.parse(one.to_bytes()) == one
     assert RunIdentity.parse(b'{"version": 1}') is None
+
+
+# ---------------------------------------------------------------- the manifest, in one process
+
+
+def test_the_manifest_lists_what_is_published_and_only_that(sample, tmp_path):
+    from helpers import assert_manifest
+
+    from mpicons import consolidate
+    from mpicons.comm import SingleProcess
+
+    out = tmp_path / "out"
+    result = consolidate(sample, out, comm=SingleProcess(), buffer_size=1 << 20)
+    assert result.manifest == "SHA256SUMS" and result.resumed_bytes == 0
+    assert_manifest(out)
+    proc = subprocess.run(["sha256sum", "-c", "--strict", "SHA256SUMS"], cwd=out, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # --no-manifest with --force: the old manifest would disagree with the new files, so it goes too
+    again = consolidate(sample, out, comm=SingleProcess(), force=True, manifest=False, dtype="fp32")
+    assert again.manifest == "" and not (out / "SHA256SUMS").exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted([*again.files, again.index_file])

@@ -107,7 +107,7 @@ def _print_result(args: argparse.Namespace, comm: Comm, result: ConsolidateResul
 def closing_report(result: ConsolidateResult, verbose: bool, width: int) -> list[str]:
     """The lines printed after a consolidation, fitted to ``width`` columns (one item per line where a
     line would not fit; only a single name longer than the width can pass it)."""
-    from ..core.reports import count_of, fit_items, skipped_parts, wrapped
+    from ..core.reports import count_of, fit_items, human_size, skipped_parts, wrapped
 
     lines = result.stats.table(width).split("\n")
     if verbose:
@@ -122,8 +122,11 @@ def closing_report(result: ConsolidateResult, verbose: bool, width: int) -> list
         counted, names = skipped_parts(result.skipped)
         lines += fit_items(f"{messages.PREFIX}skipped {counted}: ", names, width)
     lines += _adapter_lines(result, verbose, width)
+    if result.resumed_bytes:
+        lines.append(f"{messages.PREFIX}continued a stopped run: {human_size(result.resumed_bytes)} kept, not written again")
     names = list(result.files) if len(result.files) < 4 else [count_of(len(result.files), "file")]
     index = [result.index_file] if result.index_file else []
+    index += [result.manifest] if result.manifest else []
     line = f"{messages.PREFIX}wrote {', '.join(names)}{''.join(' and ' + i for i in index)} to {result.output_dir}"
     if len(line) <= width:
         return wrapped([*lines, line], width)
@@ -161,6 +164,7 @@ def _adapter_lines(result: ConsolidateResult, verbose: bool, width: int) -> list
 def _stats_report(result: ConsolidateResult) -> dict[str, object]:
     report = result.stats.to_dict()
     report.update(files=result.files, moved_bytes=result.moved_bytes, shared_input=result.shared_input, notes=result.notes)
+    report.update(resumed_bytes=result.resumed_bytes, manifest=result.manifest)
     report.update(adapter=result.adapted, assets=result.assets, skipped=result.skipped, input_notes=result.input_notes)
     report.update(warnings=result.warnings, advice=result.advice)
     return report
@@ -208,7 +212,7 @@ def _cmd_demo(args: argparse.Namespace, comm: Comm) -> int:
     write_sample(place.sample, config, comm, distcp=distcp, exclusive=True)
     place.record_sample(comm, names)
     result = consolidate(place.sample, place.output, options, comm=comm, force=replace)
-    place.record_output(comm, [*result.files, *([result.index_file] if result.index_file else [])])
+    place.record_output(comm, [*result.files, *(name for name in (result.index_file, result.manifest) if name)])
     _print_result(args, comm, result)
     write_report(comm, args.stats_json, lambda: _stats_report(result))
     checked = check_sample(place.output, config, comm)

@@ -195,8 +195,18 @@ class BlockLog:
 
 
 def is_resumable(staging: str) -> bool:
-    """A staging directory an earlier run marked resumable (it may still differ from this run)."""
-    return os.path.isfile(os.path.join(staging, RESUME_NAME))
+    """A staging directory an earlier run marked resumable and recorded durable blocks in (it may still
+    differ from this run): one with nothing durable is not worth keeping."""
+    if not os.path.isfile(os.path.join(staging, RESUME_NAME)):
+        return False
+    try:
+        entries = list(os.scandir(staging))
+    except OSError:
+        return False
+    return any(
+        e.name.startswith(BLOCKS_PREFIX) and e.is_file(follow_symlinks=False) and e.stat().st_size >= _RECORD.size
+        for e in entries
+    )
 
 
 __all__ = [
