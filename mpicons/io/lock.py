@@ -2,9 +2,11 @@
 
 ``OUT/.mpicons.lock`` is created atomically (written under a private name, then hard-linked into
 place, which fails if it exists: atomic on NFS and Lustre too). It names the holder: host, pid,
-Slurm job, start time. A second run stops at once. A lock whose holder is provably gone (same host
-and boot, same pid namespace, pid absent or now another process) is broken; any other lock, and
-anything at the lock's name mpicons cannot read as its own, only with ``--break-lock``.
+Slurm job and restart count, start time. A second run stops at once. A lock whose holder is provably
+gone (same host and boot, same pid namespace, pid absent or now another process) is broken, and so is
+the lock of a requeued Slurm job's earlier attempt, on any node (Slurm ends an attempt before it starts
+the next one). Any other lock, and anything at the lock's name mpicons cannot read as its own, is
+broken only with ``--break-lock``.
 
 No MPI here: the rank that owns the output directory calls these, inside agreed phases.
 """
@@ -27,6 +29,8 @@ _TOKEN = re.compile(r"^[0-9a-f]{8,64}$")
 _LOCK_LIMIT = 1 << 16
 #: Largest pid Linux can give (PID_MAX_LIMIT); a lock claiming a larger one is not mpicons'.
 _PID_LIMIT = 1 << 22
+#: Far above any restart count Slurm keeps; a lock claiming more is not mpicons'.
+_RESTART_LIMIT = 1 << 32
 
 
 def _boot_id() -> str:
@@ -54,6 +58,17 @@ def _process_start(pid: int) -> int | None:
         return None
 
 
+def _restart_count(job: str | None) -> int | None:
+    """``SLURM_RESTART_COUNT`` (0 in a job's first attempt, which has none); None outside Slurm or unreadable,
+    so that a lock without a trustworthy count is never taken over as an earlier attempt's."""
+    if job is None:
+        return None
+    raw = os.environ.get("SLURM_RESTART_COUNT", "0")
+    if not raw.isascii() or not raw.isdigit() or int(raw) >= _RESTART_LIMIT:
+        return None
+    return int(raw)
+
+
 def _is_text(value: object, optional: bool = False) -> bool:
     """A short printable string (a lock's text fields go into one-line messages)."""
     if value is None:
@@ -79,24 +94,40 @@ class Holder:
     pid_namespace: int = 0
     process_start: int | None = None
     token: str = ""
+    #: SLURM_RESTART_COUNT when the lock was taken; None outside Slurm, and in a lock of an older mpicons.
+    job_restart: int | None = None
 
     @classmethod
     def me(cls) -> Holder:
         pid = os.getpid()
+        job = os.environ.get("SLURM_JOB_ID") or None
         return cls(
             host=socket.gethostname(),
             pid=pid,
-            job=os.environ.get("SLURM_JOB_ID"),
+            job=job,
             started=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             boot_id=_boot_id(),
             pid_namespace=_pid_namespace(),
             process_start=_process_start(pid),
             token=secrets.token_hex(8),
+            job_restart=_restart_count(job),
         )
 
     def describe(self) -> str:
         job = f", Slurm job {self.job}" if self.job else ""
+        if self.job and self.job_restart:
+            job += f" (restart {self.job_restart})"
         return f"pid {self.pid} on {self.host}{job}, since {self.started}"
+
+    def requeue_of(self, other: Holder) -> bool:
+        """True when this holder is a later attempt of ``other``'s Slurm job (requeued after preemption, a
+        node failure or ``scontrol requeue``): Slurm has ended ``other``, on whichever node it ran. The same
+        attempt is never taken over: it may be a second step of the job, running now."""
+        return (
+            bool(other.job) and other.job == self.job
+            and self.job_restart is not None and other.job_restart is not None
+            and self.job_restart > other.job_restart
+        )  # fmt: skip
 
     def provably_gone(self) -> bool:
         """True only when this process certainly no longer runs: same machine, boot and pid namespace."""
@@ -123,16 +154,19 @@ class Holder:
             and _is_text(self.job, optional=True) and _is_text(self.started) and _is_text(self.boot_id)
             and is_count(self.pid_namespace, 1 << 64) and is_count(self.process_start, 1 << 63, optional=True)
             and isinstance(self.token, str) and bool(_TOKEN.match(self.token))
+            and is_count(self.job_restart, _RESTART_LIMIT, optional=True) and (bool(self.job) or self.job_restart is None)
         )  # fmt: skip
 
     @classmethod
     def parse(cls, raw: bytes) -> Holder | None:
-        """The holder a lock file names; None for anything mpicons did not write (damaged, hostile, foreign)."""
+        """The holder a lock file names; None for anything mpicons did not write (damaged, hostile, foreign).
+        A lock of an older mpicons, without ``job_restart``, is read with None there (never a requeue's)."""
         try:
             obj = json.loads(raw)
         except (ValueError, RecursionError):
             return None
-        if not isinstance(obj, dict) or set(obj) != set(cls.__dataclass_fields__):
+        fields = set(cls.__dataclass_fields__)
+        if not isinstance(obj, dict) or set(obj) not in (fields, fields - {"job_restart"}):
             return None
         holder = cls(**obj)
         return holder if holder.well_formed() else None
@@ -184,6 +218,13 @@ class OutputLock:
             if seen is None:
                 continue  # released meanwhile
             other = seen.holder
+            if not break_lock and other is not None and lock.holder.requeue_of(other):
+                notes.append(
+                    f"took over the lock of this Slurm job's earlier attempt (job {other.job}, restart "
+                    f"{other.job_restart} -> {lock.holder.job_restart}; {other.describe()})"
+                )
+                lock._break(seen)
+                continue
             if break_lock or (other is not None and other.provably_gone()):
                 how = "as asked (--break-lock)" if break_lock else "its process is gone"
                 notes.append(f"broke the lock of an earlier run ({seen.describe(lock.path)}): {how}")
