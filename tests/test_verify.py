@@ -3,6 +3,8 @@
 The MPI tests run on every rank at once on a shared directory: only rank 0 damages files (then all
 ranks synchronise), every rank calls ``verify`` alike, and assertions are made on the report after
 checking it is the same on every rank, so a failure fails every rank together instead of hanging.
+Outputs to be damaged are written without SHA256SUMS (``manifest=False``), so each test sees the
+structure and value checks alone; ``test_manifest.py`` holds the manifest's check to account.
 """
 
 from __future__ import annotations
@@ -52,9 +54,9 @@ def _verify(comm: MPI.Intracomm, out: Path, **kwargs: object) -> VerifyReport:
     return report
 
 
-def _consolidated(comm: MPI.Intracomm, tmp: Path, fixture: str = "edge-3ranks") -> Path:
+def _consolidated(comm: MPI.Intracomm, tmp: Path, fixture: str = "edge-3ranks", manifest: bool = False) -> Path:
     out = tmp / "out"
-    mpicons.consolidate(FIXTURES / fixture / "sharded", out, comm=comm)
+    mpicons.consolidate(FIXTURES / fixture / "sharded", out, comm=comm, manifest=manifest)
     return out
 
 
@@ -118,7 +120,7 @@ def test_every_kind_the_package_gives_a_problem_is_documented():
 @pytest.mark.parametrize("buffer_size", [TINY, pytest.param(32 << 20, marks=pytest.mark.slow)])
 def test_consolidated_checkpoint_verifies(fixture, buffer_size, mpi_tmp_path):
     comm = MPI.COMM_WORLD
-    out = _consolidated(comm, mpi_tmp_path, fixture)
+    out = _consolidated(comm, mpi_tmp_path, fixture, manifest=True)
     plain = _verify(comm, out)
     full = _verify(comm, out, against=FIXTURES / fixture / "sharded", buffer_size=buffer_size)
     index = json.loads((out / INDEX).read_text())
@@ -128,6 +130,8 @@ def test_consolidated_checkpoint_verifies(fixture, buffer_size, mpi_tmp_path):
         assert report.tensors == len(index["weight_map"])
         assert report.total_bytes == index["metadata"]["total_size"]
         assert report.ranks == comm.size
+        published = [p for p in out.iterdir() if p.name != "SHA256SUMS"]
+        assert report.manifest is not None and report.checksummed == report.manifest_files == len(published)
     assert full.compared_tensors == full.shard_tensors == full.tensors
     assert full.compared_bytes == full.total_bytes
     assert "OK" in full.summary()
@@ -363,7 +367,7 @@ def test_every_problem_is_reported_not_just_the_first(mpi_tmp_path):
 
 def test_cli_exit_codes_at_3_ranks(tmp_path):
     out = tmp_path / "out"
-    mpicons.consolidate(EDGE, out, comm=MPI.COMM_SELF)
+    mpicons.consolidate(EDGE, out, comm=MPI.COMM_SELF, manifest=False)
     report_path = tmp_path / "report.json"
 
     good, _ = cli(3, "verify", str(out), "--against", str(EDGE), "--json", str(report_path))
@@ -405,7 +409,7 @@ def test_verify_against_shards_of_a_converted_output(option, mpi_tmp_path):
     """--dtype outputs are checked against the shards converted the same way; a flipped byte is still found."""
     comm = MPI.COMM_WORLD
     out = mpi_tmp_path / "out"
-    mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", out, comm=comm, dtype=option)
+    mpicons.consolidate(FIXTURES / "edge-3ranks" / "sharded", out, comm=comm, dtype=option, manifest=False)
     clean = verify(out, against=FIXTURES / "edge-3ranks" / "sharded", comm=comm, dtype=option, buffer_size=1 << 10)
     plain = verify(out, against=FIXTURES / "edge-3ranks" / "sharded", comm=comm)
     if comm.rank == 0:
@@ -577,7 +581,7 @@ def test_hdf5_output_is_verified_against_the_shards(mpi_tmp_path):
     h5py = pytest.importorskip("h5py")
     comm = MPI.COMM_WORLD
     out = mpi_tmp_path / "h5"
-    mpicons.consolidate(EDGE, out, comm=comm, output_format="hdf5")
+    mpicons.consolidate(EDGE, out, comm=comm, output_format="hdf5", manifest=False)
     plain = _verify(comm, out)
     full = _verify(comm, out, against=EDGE, buffer_size=TINY)
     for report in (plain, full):

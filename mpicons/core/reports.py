@@ -42,7 +42,11 @@ KINDS: dict[str, str] = {
     "index mismatch": "the index and the files disagree: where a tensor is, or the total size",
     "duplicate": "a tensor in more than one file",
     "extra file": "a file in the directory that is not part of the checkpoint",
-    "missing file": "a file the index lists that is not there",
+    "missing file": "a file the index or SHA256SUMS lists that is not there",
+    # verify with a SHA256SUMS in the directory: every file it lists hashed
+    "checksum": "a file whose SHA-256 differs from the one SHA256SUMS lists for it",
+    "unlisted": "a file in the directory (or a sub-folder) that SHA256SUMS does not list",
+    "manifest": "a SHA256SUMS that is not in sha256sum's format, or too large to be a manifest",
     # verify --against: the output compared with the shards
     "missing tensor": "a tensor of the shards in no output file",
     "extra tensor": "a tensor of the output not in the shards",

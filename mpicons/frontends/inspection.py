@@ -42,6 +42,7 @@ from ..job.pipeline import layout_of, mapping_of, scan_selected, start
 from ..job.scan import Scanned
 from ..job.shares import distribute
 from ..trainers import rule_sets_reading
+from .manifest_check import manifest_summary
 
 #: Width the table output is laid out for.
 WIDTH = 100
@@ -169,6 +170,8 @@ class InspectReport:
     #: What an OK rests on when the format records no full shapes (DCP's Hugging Face layout): the checks
     #: made (the model's config, ``--expect-ranks``) or what could not be known; None for other formats.
     caveat: str | None = None
+    #: A SHA256SUMS in the input directory (a consolidated folder): how many files it lists; None without one.
+    manifest: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -212,6 +215,7 @@ class InspectReport:
             "skipped": list(self.skipped),
             "adapter": self.adapter,
             "caveat": self.caveat,
+            "manifest": self.manifest,
             "adapter_mapping": [{**dataclasses.asdict(m), "targets": list(m.targets)} for m in self.mapping_rows],
             "summary": {
                 "shard_files": len(self.shards),
@@ -302,6 +306,7 @@ def inspect(
     )  # fmt: skip
     _add_notes(report, adapter.notes, scanned, saved_names, options)
     report.caveat = caveat(scanned.files, options.expect_ranks, verdict.checked(scanned.names))
+    report.manifest = manifest_summary(comm, input_dir)
     if report.caveat is not None and options.expect_ranks is None and verdict.checked(scanned.names) is None:
         report.notes.append(UNCHECKED_HINT)
     return report
@@ -513,6 +518,7 @@ def _summary(report: InspectReport) -> list[str]:
         out.append(f"  plan     none for {_count(report.ranks, 'rank')}{preview}: the checkpoint has problems")
     if report.mapping is not None:
         out.append(f"  mapping  {report.mapping}")
+    out += wrapped([f"  manifest {report.manifest}"], WIDTH) if report.manifest is not None else []
     status = "OK" if report.ok else f"{_count(len(report.problems), 'problem')} (listed at the end)"
     out += wrapped([f"  status   {status}" + ("" if report.caveat is None or not report.ok else f"; {report.caveat}")], WIDTH)
     return out

@@ -79,7 +79,7 @@ def _kind(mode: int) -> str:
 _DATA_FILES = "; verify reads only regular files inside the directory"
 
 
-def _refusal(path: str, follow_links: bool, suffix: str | None = None) -> str | None:
+def refusal(path: str, follow_links: bool, suffix: str | None = None) -> str | None:
     """Why the entry at ``path`` is not opened (a link, a FIFO, a device, ...), or None for a regular file.
 
     Looked at with ``lstat`` before any open, so nothing but a regular file is ever opened (opening a
@@ -109,7 +109,7 @@ def open_regular(path: str, follow_links: bool = False, suffix: str | None = Non
     The open never follows a link unless ``follow_links`` and never blocks, and the descriptor is
     checked again with ``fstat``: an entry swapped for a link or a FIFO after the look is refused too.
     """
-    why = _refusal(path, follow_links, suffix)
+    why = refusal(path, follow_links, suffix)
     if why is not None:
         raise Refused(why)
     try:
@@ -187,7 +187,7 @@ def _classify(output_dir: str, names: Sequence[str], follow_links: bool) -> _Ent
     for name in names:
         path = os.path.join(output_dir, name)
         try:
-            why = _refusal(path, follow_links)
+            why = refusal(path, follow_links)
         except FileNotFoundError:
             entries.missing.append(name)
             continue

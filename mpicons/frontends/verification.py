@@ -2,8 +2,9 @@
 
 :func:`verify` is collective. Rank 0 lists the directory and reads the index; the output headers
 are read round-robin over the ranks; with ``against`` every rank compares its byte-balanced share
-of tensor rows with the shards, block by block. Every problem is collected rather than the first
-one raised, so one run tells the whole story, and every rank returns the same report.
+of tensor rows with the shards, block by block. A ``SHA256SUMS`` in the directory is checked too,
+every file it lists hashed by one rank (:mod:`.manifest_check`). Every problem is collected rather
+than the first one raised, so one run tells the whole story, and every rank returns the same report.
 
 What is read, and how (only regular files, bounded), is :mod:`.output_reading`; what is wrong
 with it is decided by the pure checks of :mod:`mpicons.frontends.verify_checks`. Here: the value
@@ -40,6 +41,7 @@ from ..job.scan import Scanned, open_sources
 from ..job.shares import distribute
 from ..job.values_setup import auxiliary, read_lora
 from ..trainers import known_rule_sets
+from .manifest_check import check_manifest
 from .output_reading import MAX_INDEX_SIZE, OutputFiles, check_file, list_output, open_regular
 from .verify_checks import Diff, FileResult, Listing, Located, VerifyReport, against_checks, cross_check, diff_problems
 
@@ -151,8 +153,9 @@ def verify(
     Parameters:
         output_dir: a consolidated checkpoint (safetensors files and ``model.safetensors.index.json``,
             or the ``model.h5`` of ``--format hdf5``). Structure is always checked: headers (HDF5:
-            datasets), index, stray and missing files, leftovers of a run. Only regular files inside
-            the directory are opened: links, FIFOs and devices are reported, never read.
+            datasets), index, stray and missing files, leftovers of a run; with a ``SHA256SUMS`` there,
+            every file it lists is hashed and compared with it, and files it does not list are problems.
+            Only regular files inside the directory are opened: links, FIFOs and devices are reported, never read.
         options: the :class:`~mpicons.core.options.Options` the output was written with; keyword
             arguments change single fields. ``buffer_size`` is the bytes of buffers per rank for the
             comparison; with ``dtype`` the shards are converted the same way before comparing; with
@@ -188,11 +191,12 @@ def verify(
     report = VerifyReport(
         output_dir=output_dir, against=against, ranks=comm.size, files=files, tensors=len(located), total_bytes=total
     )
+    not_hashed = _check_manifest(comm, output_dir, follow_links, report, problems)
     if against is not None:
         checked = _Checked(output_dir, listing, results, located, follow_links)
         problems += _compare_with_shards(comm, against, options, checked, report)
     report.problems = sorted(problems, key=lambda p: (p.path or "", p.tensor or "", p.what))
-    names = set(listing.refused) | {r.name for r in results if r.refused}
+    names = set(listing.refused) | {r.name for r in results if r.refused} | not_hashed
     report.refused = sorted(os.path.join(output_dir, name) for name in names)
     return report
 
@@ -224,6 +228,16 @@ def _refuse_options_without_shards(options: Options, against: str | None) -> Non
         raise InputError(
             f"{flags}: about the shards the output was made from, so only with --against SHARD_DIR; add it or drop them"
         )
+
+
+def _check_manifest(comm: Comm, output_dir: str, follow_links: bool, report: VerifyReport, problems: list[Problem]) -> set[str]:
+    """The directory's SHA256SUMS checked (:mod:`.manifest_check`): its counts into ``report``, its problems added
+    to ``problems`` but for a missing or refused file the structure checks named already; the names not opened."""
+    manifest = check_manifest(comm, output_dir, follow_links)
+    report.manifest, report.manifest_files, report.checksummed = manifest.path, manifest.listed, manifest.matched
+    reported = {(p.kind, p.path) for p in problems}
+    problems += [p for p in manifest.problems if (p.kind, p.path) not in reported]
+    return set(manifest.refused)
 
 
 def _read_files(comm: Comm, output_dir: str, listing: Listing, follow_links: bool) -> tuple[list[str], list[FileResult]]:

@@ -20,6 +20,7 @@ from ..core.names import INDEX_NAME, plain_file_name
 from ..core.reports import Problem, human_bytes
 from ..core.reports import count_of as _count
 from ..core.safetensors_codec import DTYPE_BY_NAME, HeaderError
+from ..io.manifest import MANIFEST_NAME
 
 
 def file_problem(path: str, tensor: str | None, what: str, *, kind: str) -> Problem:
@@ -47,6 +48,11 @@ class VerifyReport:
     #: With ``against`` in DCP's Hugging Face layout (no full shapes recorded): what an OK rests on, or
     #: what could not be known (:func:`~mpicons.core.completeness.caveat`).
     caveat: str | None = None
+    #: The directory's SHA256SUMS when it has one (checked, or reported as unusable); None without one.
+    manifest: str | None = None
+    #: Files the manifest lists, and how many of them have the SHA-256 it lists (the others are problems).
+    manifest_files: int = 0
+    checksummed: int = 0
 
     @property
     def ok(self) -> bool:
@@ -59,6 +65,8 @@ class VerifyReport:
     def summary(self) -> str:
         status = "OK" if self.ok else _count(len(self.problems), "problem")
         checked = f"{_count(len(self.files), 'file')}, {_count(self.tensors, 'tensor')}, {human_bytes(self.total_bytes)}"
+        manifest = self._manifest_part()
+        checked += f"; {manifest}" if manifest else ""
         if self.against is not None:
             checked += (
                 f"; {self.compared_tensors} of {_count(self.shard_tensors, 'tensor')} ({human_bytes(self.compared_bytes)}) "
@@ -68,6 +76,20 @@ class VerifyReport:
             checked += f"; {_count(len(self.refused), 'entry', 'entries')} not read (see above)"
         line = f"mpicons verify: {status}: {self.output_dir} ({checked}) on {_count(self.ranks, 'rank')}"
         return line if self.caveat is None or not self.ok else f"{line}; {self.caveat}"
+
+    def _manifest_part(self) -> str | None:
+        """What the summary says of SHA256SUMS: how many listed files match, or that without one (and without
+        ``against``) no file's contents were checked. Nothing for a sharded directory."""
+        if any(p.kind == "sharded" for p in self.problems):
+            return None
+        if self.manifest is None:
+            return f"no {MANIFEST_NAME}" + ("" if self.against is not None else ": file contents not checked without --against")
+        if not self.manifest_files:
+            return f"{MANIFEST_NAME} not usable (see above)"
+        verb = "matches" if self.checksummed == 1 else "match"
+        if self.checksummed == self.manifest_files:
+            return f"{MANIFEST_NAME}: {_count(self.manifest_files, 'file')} {verb}"
+        return f"{MANIFEST_NAME}: {self.checksummed} of {_count(self.manifest_files, 'file')} {verb}"
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -81,9 +103,12 @@ class VerifyReport:
             "shard_tensors": self.shard_tensors,
             "compared_tensors": self.compared_tensors,
             "compared_bytes": self.compared_bytes,
-            "problems": [p.to_dict() for p in self.problems],
+            "problems": [{**p.to_dict(), "kind": p.kind} for p in self.problems],
             "refused": list(self.refused),
             "caveat": self.caveat,
+            "manifest": self.manifest,
+            "manifest_files": self.manifest_files,
+            "checksummed": self.checksummed,
         }
 
 

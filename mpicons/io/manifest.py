@@ -11,12 +11,13 @@ No MPI here: :mod:`mpicons.job.checksums` spreads the hashing over the ranks.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 import re
 from collections.abc import Iterable, Sequence
 
 from ..core.errors import WriteError
-from .regular_files import open_regular
+from .regular_files import NotRegular, kind_of, open_regular
 
 MANIFEST_NAME = "SHA256SUMS"
 #: Bytes read per step while hashing (a reused buffer: memory per rank stays this, whatever the file).
@@ -72,6 +73,8 @@ def hash_file(path: str, buffer: memoryview | None = None, follow_links: bool = 
     digest = hashlib.sha256()
     try:
         fd = open_regular(path, follow_links)
+    except NotRegular as exc:  # a link (not followed), a FIFO, a device: never read
+        raise WriteError(f"{path}: is {kind_of(exc.mode)}, not a regular file; not hashed") from None
     except OSError as exc:
         raise WriteError(f"{path}: cannot open to hash it ({exc.strerror})") from None
     try:
@@ -91,12 +94,12 @@ def hash_file(path: str, buffer: memoryview | None = None, follow_links: bool = 
 def spread_by_bytes(sizes: Sequence[int], ranks: int) -> list[int]:
     """Which rank hashes each file: largest first, each to the rank with the fewest bytes so far
     (pure and deterministic: every rank computes the same)."""
-    loads = [0] * ranks
+    loads = [(0, rank) for rank in range(ranks)]  # a heap of (bytes so far, rank)
     owners = [0] * len(sizes)
     for file in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        rank = min(range(ranks), key=lambda r: (loads[r], r))
+        load, rank = heapq.heappop(loads)
         owners[file] = rank
-        loads[rank] += sizes[file]
+        heapq.heappush(loads, (load + sizes[file], rank))
     return owners
 
 

@@ -161,7 +161,7 @@ class DirectoryTarget:
         sizes = [f.size for f in layout.files]
         if not output.threaded:  # MPI-IO's flush is collective: not from a thread
             agree(comm, output.sync)
-            return dict(zip((f.name for f in layout.files), hash_over_ranks(comm, paths, sizes)))  # type: ignore[arg-type]
+            return {f.name: str(digest) for f, digest in zip(layout.files, hash_over_ranks(comm, paths, sizes))}
 
         def both() -> dict[int, str | None]:
             with ThreadPoolExecutor(1, thread_name_prefix="mpicons-sync") as pool:
