@@ -129,6 +129,12 @@ class S3Destination:
 
     def commit(self, names: Sequence[str], etags: Sequence[Sequence[str]], index: bytes | None, assets: dict[str, bytes]) -> None:
         """Make the new checkpoint visible: old index gone (``force``), assets, every file, the index last."""
+        self.complete(names, etags, assets)
+        self.finish(index, {})
+
+    def complete(self, names: Sequence[str], etags: Sequence[Sequence[str]], assets: dict[str, bytes]) -> None:
+        """The first half of :meth:`commit`: old index gone (``force``), assets, every file (no index yet:
+        the checkpoint is not complete, and :meth:`abort` removes what this made)."""
         if self.force and INDEX_NAME in self.existing:
             self.client.delete(INDEX_NAME)
         for name, data in assets.items():
@@ -138,9 +144,12 @@ class S3Destination:
             self.client.complete_upload(name, self.uploads[name], list(tags), if_absent=not self.force)
             del self.uploads[name]
             self.made.append(name)
-        if index is not None:
-            self.client.put(INDEX_NAME, index, if_absent=not self.force)
-            self.made.append(INDEX_NAME)
+
+    def finish(self, index: bytes | None, before_index: dict[str, bytes]) -> None:
+        """The second half: ``before_index`` (the manifest), then the index, the commit point; stale files go."""
+        for name, data in [*before_index.items(), *([(INDEX_NAME, index)] if index is not None else [])]:
+            self.client.put(name, data, if_absent=not self.force)
+            self.made.append(name)
         for name in self.stale:
             self.client.delete(name)
 

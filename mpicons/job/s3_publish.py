@@ -8,6 +8,7 @@ rank, and the owner then aborts every open upload (:meth:`S3Destination.abort`).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -18,11 +19,13 @@ from ..core.layout import Layout
 from ..core.names import INDEX_NAME
 from ..core.options import DTYPE_TARGETS, MIN_PART, Options, Publishing, Storage, Tuning
 from ..core.parts import Part
+from ..io.manifest import MANIFEST_NAME, format_manifest
 from ..io.output_formats import output_format
 from ..io.s3 import S3Client, S3Location, is_s3
 from ..io.s3_destination import S3Destination
 from ..io.s3_output import IN_FLIGHT, S3Output
 from ..io.s3_upload_plan import check_plan, plan_uploads
+from .checksums import hash_objects
 from .pipeline import Start, check_buffer_fits
 from .scan import Scanned, open_sources
 from .writer import write_share
@@ -66,7 +69,6 @@ class S3Target:
 
     min_part = MIN_PART  # every part but a file's last is at least S3's smallest
     resumed = 0  # an object-store output is never continued: a stopped run's uploads are aborted or expire
-    manifest = ""  # no SHA256SUMS object yet
 
     def __init__(self, comm: Comm, url: str, publishing: Publishing, storage: Storage, tuning: Tuning, owner: int = 0) -> None:
         self.comm = comm
@@ -79,6 +81,7 @@ class S3Target:
         self.upload_ids: list[str] = []
         self.names: list[str] = []
         self.etags: list[list[str]] = []
+        self.manifest = MANIFEST_NAME if publishing.manifest else ""
 
     @classmethod
     def open(cls, comm: Comm, input_dir: str, url: str, options: Options) -> S3Target:
@@ -114,6 +117,7 @@ class S3Target:
         """The keys of every object the run publishes, and a checkpoint under the prefix that ``--force``
         does not allow replacing."""
         names = [f.name for f in layout.files] + [INDEX_NAME] + ([] if assets is None else list(assets.published_names))
+        names += [self.manifest] if self.manifest else []
         self.check_names(names)
         agree_on(self.comm, self.owner, lambda: self._destination().check_replacing(names, self.publishing.force))
 
@@ -157,20 +161,35 @@ class S3Target:
 
     def publish(self, layout: Layout, assets: HFAssets | None) -> None:
         """The owner makes the checkpoint visible, index last; signals are held back meanwhile (one that
-        arrived before the first visible change stops the run, which then aborts)."""
+        arrived before the first visible change stops the run, which then aborts). With a manifest, the
+        completed objects are read back and hashed over the ranks before ``SHA256SUMS`` and the index go in."""
+        names = [f.name for f in layout.files]
 
-        def commit() -> None:
+        def complete() -> dict[str, str]:
             from ..io.assets import asset_bytes
 
             target = None if self.publishing.dtype is None else DTYPE_TARGETS.get(self.publishing.dtype)
             payloads = {} if assets is None else asset_bytes(assets, target)
-            index = output_format(self.publishing.output_format).index(layout)
             with deferred():
                 raise_pending()
-                self._destination().commit([f.name for f in layout.files], self.etags, index, payloads)
+                self._destination().complete(names, self.etags, payloads)
+            return {name: hashlib.sha256(data).hexdigest() for name, data in payloads.items()}
+
+        digests = agree_on(self.comm, self.owner, complete)
+        if self.publishing.manifest:
+            sizes = [f.size for f in layout.files]
+            digests.update(zip(names, hash_objects(self.comm, self.client, names, sizes)))
+
+        def finish() -> None:
+            index = output_format(self.publishing.output_format).index(layout)
+            if index is not None:
+                digests[INDEX_NAME] = hashlib.sha256(index).hexdigest()
+            manifest = {MANIFEST_NAME: format_manifest(digests)} if self.publishing.manifest else {}
+            with deferred():
+                self._destination().finish(index, manifest)
                 forget_pending()
 
-        agree_on(self.comm, self.owner, commit)
+        agree_on(self.comm, self.owner, finish)
 
     def release(self, failure: BaseException | None) -> None:
         """After a failure every rank agreed on, every rank stops uploading before the owner aborts the
