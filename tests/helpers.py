@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import numpy as np
@@ -85,8 +86,11 @@ def sample_expected(config: SampleConfig) -> Tensors:
     }
 
 
-def assert_consolidated(output_dir: str | os.PathLike[str], expected: Tensors, weight_map: dict[str, str]) -> None:
-    """Every output file equals the reference serializer's bytes; tensors and index as expected."""
+def assert_consolidated(
+    output_dir: str | os.PathLike[str], expected: Tensors, weight_map: dict[str, str], unpublished: Collection[str] = ()
+) -> None:
+    """Every output file equals the reference serializer's bytes; tensors and index as expected; ``SHA256SUMS``
+    lists every published file (see assert_manifest, and there for ``unpublished``)."""
     output_dir = Path(output_dir)
     if set(weight_map.values()) == {"model.safetensors"}:  # Hugging Face writes no index for a lone file
         assert not (output_dir / "model.safetensors.index.json").exists()
@@ -110,18 +114,23 @@ def assert_consolidated(output_dir: str | os.PathLike[str], expected: Tensors, w
         )
     leftovers = [p.name for p in output_dir.iterdir() if p.name.startswith(".")]
     assert leftovers == []
-    assert_manifest(output_dir)
+    assert_manifest(output_dir, unpublished)
 
 
-def assert_manifest(output_dir: str | os.PathLike[str]) -> None:
-    """``SHA256SUMS`` lists every published file (hidden entries aside) with its SHA-256, as ``sha256sum -c`` reads it."""
+def assert_manifest(output_dir: str | os.PathLike[str], unpublished: Collection[str] = ()) -> None:
+    """``SHA256SUMS`` lists every published file (hidden entries aside) with its SHA-256, as ``sha256sum -c`` reads it.
+    ``unpublished``: top-level entries of ``output_dir`` the run did not write (torchtitan's layout keeps the
+    input's ``sharded/`` in the output directory), left out of the comparison."""
     output_dir = Path(output_dir)
     lines = (output_dir / "SHA256SUMS").read_text().splitlines()
     listed = dict(reversed(line.split("  ", 1)) for line in lines)
     files = sorted(
         str(p.relative_to(output_dir))
         for p in output_dir.rglob("*")
-        if p.is_file() and p.name != "SHA256SUMS" and not str(p.relative_to(output_dir)).startswith(".")
+        if p.is_file()
+        and p.name != "SHA256SUMS"
+        and not str(p.relative_to(output_dir)).startswith(".")
+        and p.relative_to(output_dir).parts[0] not in unpublished
     )
     assert sorted(listed) == files
     for name, digest in listed.items():

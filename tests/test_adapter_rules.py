@@ -17,7 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
-from helpers import reference_bytes, run_python
+from helpers import assert_manifest, reference_bytes, run_python
 
 import mpicons
 from mpicons.adaptation.apply import plan_conversion
@@ -514,7 +514,8 @@ def run_case(case: Case, work: Path) -> None:
         "model.layers.0.input_layernorm.weight": first_norm,
         "model.layers.1.input_layernorm.weight": norm,
     }
-    assert sorted(p.name for p in out.iterdir()) == sorted([OUT_FILE, INDEX, *(["config.json"] if assets else [])])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["SHA256SUMS", OUT_FILE, INDEX, *(["config.json"] if assets else [])])
+    assert_manifest(out)
     index = json.loads((out / INDEX).read_text())
     assert index["weight_map"] == {name: OUT_FILE for name in expected}
     assert index["metadata"]["total_size"] == sum(a.nbytes for a in expected.values())
@@ -686,7 +687,7 @@ def test_rules_without_config_need_no_assets(tmp_path: Path) -> None:
     result = mpicons.consolidate(checkpoint, tmp_path / "out", adapter=str(rule_file), comm=SingleProcess())
     expected = {"model.embed_tokens.weight": embed}
     expected.update({f"model.layers.0.mlp.experts.{e}.gate_proj.weight": experts[e] for e in range(3)})
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [OUT_FILE, INDEX]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["SHA256SUMS", OUT_FILE, INDEX]
     assert (tmp_path / "out" / OUT_FILE).read_bytes() == serialized(expected)
     assert result.assets == []
     assert [line for line in result.warnings if f"{rule_file}:4" in line and "layers.0.moe.expert_bias_E" in line]

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
-from helpers import cli, load_tensors, reference_bytes, run_python, subprocess_env
+from helpers import assert_manifest, cli, load_tensors, reference_bytes, run_python, subprocess_env
 
 import mpicons
 from mpicons.comm import SingleProcess
@@ -87,7 +87,8 @@ def assert_layout(out: Path, case: str, converted: bool = False) -> dict[str, st
     """The weight files the assets' index names, that index, and the assets beside them, nothing else.
     With a dtype conversion the copied config may say the new dtype: only its dtype fields may differ."""
     weight_map = asset_weight_map(case)
-    assert sorted(p.name for p in out.iterdir()) == sorted({*weight_map.values(), INDEX, *ASSET_FILES})
+    assert sorted(p.name for p in out.iterdir()) == sorted({"SHA256SUMS", *weight_map.values(), INDEX, *ASSET_FILES})
+    assert_manifest(out)
     assert json.loads((out / INDEX).read_text())["weight_map"] == weight_map
     for name in ASSET_FILES:
         if converted and name == "config.json":
@@ -467,9 +468,14 @@ def test_assets_without_an_adapter_are_published_with_the_weights(tmp_path: Path
         assert (out / name).read_bytes() == (hf_assets / name).read_bytes()
     plain = tmp_path / "plain"
     mpicons.consolidate(shards, plain, comm=SingleProcess(), sync=False)
-    assert {p.name: p.read_bytes() for p in plain.iterdir()} == {
-        p.name: p.read_bytes() for p in out.iterdir() if p.name not in ("config.json", "tokenizer.json")
+    asset_names = ("config.json", "tokenizer.json")
+    assert {p.name: p.read_bytes() for p in plain.iterdir() if p.name != "SHA256SUMS"} == {
+        p.name: p.read_bytes() for p in out.iterdir() if p.name not in ("SHA256SUMS", *asset_names)
     }
+    # Both manifests: the same lines but for the assets' (sha256sum's two spaces before each name).
+    weights_lines = [line for line in (out / "SHA256SUMS").read_text().splitlines() if line.split("  ", 1)[1] not in asset_names]
+    assert (plain / "SHA256SUMS").read_text().splitlines() == weights_lines
+    assert_manifest(out)
     again = tmp_path / "again"
     again.mkdir()
     (again / "config.json").write_text("{}")

@@ -551,6 +551,7 @@ def test_the_rewriting_helpers_alone_break_nothing(tmp_path: Path, ranks: int) -
     proc, _ = mpirun(ranks, ["-m", "mpicons", "consolidate", "-q", str(inp), str(out)], timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [
+        "SHA256SUMS",
         "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors",
         "model.safetensors.index.json",

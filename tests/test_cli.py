@@ -10,7 +10,7 @@ import sys
 from dataclasses import fields, replace
 
 import pytest
-from helpers import FIXTURES, cli, mpirun, subprocess_env
+from helpers import FIXTURES, assert_manifest, cli, mpirun, subprocess_env
 
 from mpicons.core.options import Options
 from mpicons.core.reports import count_of, human_size, wrapped
@@ -124,7 +124,8 @@ def test_every_consolidate_option_is_passed_on():
 def test_format_and_gather_flags_take_effect(tmp_path):
     proc, _ = mpirun(2, ["-m", "mpicons", "consolidate", str(INPUT), str(tmp_path / "h5"), "--format", "hdf5", "-q"])
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in (tmp_path / "h5").iterdir()) == ["model.h5"]
+    assert sorted(p.name for p in (tmp_path / "h5").iterdir()) == ["SHA256SUMS", "model.h5"]
+    assert_manifest(tmp_path / "h5")
     stats = tmp_path / "s.json"
     proc, _ = mpirun(
         3,

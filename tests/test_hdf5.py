@@ -32,7 +32,7 @@ def test_hdf5_output_reads_back_exactly(fixture, io, mpi_tmp_path):
     out = mpi_tmp_path / "h5"
     result = mpicons.consolidate(FIXTURES / fixture / "sharded", out, comm=comm, output_format="hdf5", io=io, buffer_size=1 << 16)
     assert result.files == ["model.h5"] and result.index_file == ""
-    assert sorted(p.name for p in out.iterdir()) == ["model.h5"]
+    assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "model.h5"]
     expected, _ = fixture_expected(fixture)
     with h5py.File(out / "model.h5", "r") as handle:
         for name, (dtype, shape, data) in expected.items():

@@ -220,6 +220,15 @@ def test_files_present_but_not_listed_are_reported(tmp_path: Path) -> None:
     assert report.checksummed == report.manifest_files == 6 and not report.ok
 
 
+def test_a_folder_the_manifest_lists_nothing_of_is_not_the_checkpoint(tmp_path: Path) -> None:
+    """torchtitan's layout: the shards stay in ``STEP/sharded`` beside the model consolidated into ``STEP``."""
+    out = _checkpoint(tmp_path / "out")
+    (out / "sharded").mkdir()
+    (out / "sharded" / "shard-00001-model-00001-of-00001.safetensors").write_bytes(b"not listed, not ours")
+    report = _verify(out)
+    assert _problems(report) == [] and report.ok, report.lines()
+
+
 def test_a_file_name_that_is_not_utf8_is_reported_printably(tmp_path: Path) -> None:
     out = _checkpoint(tmp_path / "out")
     (out / os.fsdecode(b"bad-\xff.bin")).write_bytes(b"x")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli, load_tensors, reference_bytes, run_python, transformers_reports
+from helpers import assert_manifest, cli, load_tensors, reference_bytes, run_python, transformers_reports
 from megatron_cases import CASES, ITERATION, NUMPY_DTYPES, checkpoint, expected_dir, hf_assets, iteration_dir, verify_record
 
 import mpicons
@@ -80,13 +80,19 @@ def assert_expected_model(out: Path, case: str, config: str) -> None:
     expected = load_tensors(expected_dir(case) / "model.safetensors")
     assert load_tensors(out / "model.safetensors") == expected
     assert (out / "model.safetensors").read_bytes() == reference_bytes(expected)
+    assert_manifest(out)
     own = hf_assets(case)
     if config == "assets":
-        assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+        assert sorted(p.name for p in out.iterdir()) == [
+            "SHA256SUMS",
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+        ]
         for name in ("config.json", "generation_config.json"):
             assert (out / name).read_bytes() == (own / name).read_bytes()
         return
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "config.json", "model.safetensors"]
     derived, want = (json.loads((d / "config.json").read_text()) for d in (out, own))
     shared = set(derived) & set(want)
     assert {k: derived[k] for k in shared} == {k: want[k] for k in shared}

@@ -259,7 +259,7 @@ def test_an_hf_trainer_checkpoint_folder_consolidates_by_itself(given: str, rank
     out = tmp_path / "hf"
     proc = cli(ranks, "consolidate", source, out, "--no-sync", timeout=TIMEOUT)[0]
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["SHA256SUMS", "config.json", "generation_config.json", "model.safetensors"]
     assert (out / "config.json").read_bytes() == (ZERO3 / "hf" / "config.json").read_bytes()
     assert load_tensors(out / "model.safetensors") == load_tensors(ZERO3 / "expected-fp32" / "model.safetensors")
     said = " ".join(proc.stdout.split())

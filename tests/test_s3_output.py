@@ -56,11 +56,13 @@ def test_objects_are_the_filesystem_outputs_bytes(sharded, s3_endpoint, s3_bucke
     result = mpicons.consolidate(sharded, f"s3://{s3_bucket}/hf/step-1", s3_endpoint=s3_endpoint, s3_part_size=PART)
     s3 = s3server.client(s3_endpoint)
     got = _download(s3, s3_bucket, "hf/step-1", tmp_path / "got")
-    assert sorted(p.name for p in got.iterdir()) == sorted(local.files + [local.index_file])
-    for name in local.files + [local.index_file]:
+    published = local.files + [local.index_file, local.manifest]
+    assert sorted(p.name for p in got.iterdir()) == sorted(published)
+    for name in published:
         assert (got / name).read_bytes() == (tmp_path / "fs" / name).read_bytes(), name
     assert_consolidated(got, sample_expected(CONFIG), expected_mapping(CONFIG))
     assert result.files == local.files and result.output_dir == f"s3://{s3_bucket}/hf/step-1"
+    assert result.manifest == local.manifest == "SHA256SUMS"
     assert _open_uploads(s3, s3_bucket) == []
 
 
@@ -84,7 +86,7 @@ def test_a_checkpoint_there_is_replaced_only_with_force(sharded, s3_endpoint, s3
     mpicons.consolidate(sharded, url, s3_endpoint=s3_endpoint, force=True)  # two files now, not four
     got = _download(s3, s3_bucket, "hf", tmp_path / "got")
     assert sorted(p.name for p in got.iterdir()) == sorted(
-        set(expected_mapping(CONFIG).values()) | {"model.safetensors.index.json"}
+        set(expected_mapping(CONFIG).values()) | {"model.safetensors.index.json", "SHA256SUMS"}
     )
     assert_consolidated(got, sample_expected(CONFIG), expected_mapping(CONFIG))
 

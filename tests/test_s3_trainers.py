@@ -149,7 +149,8 @@ def test_verl_s_hugging_face_files_in_the_bucket_are_published(tmp_path: Path, s
     result = mpicons.consolidate(url, tmp_path / "from-bucket", s3_endpoint=s3_endpoint)
     published = _files(tmp_path / "from-bucket")
     assert published == _files(tmp_path / "from-disk") and "tokenizer.json" in published and "config.json" in published
-    assert sorted(result.assets) == sorted(p for p in published if p != "model.safetensors.index.json")
+    assert "SHA256SUMS" in published
+    assert sorted(result.assets) == sorted(p for p in published if p not in ("model.safetensors.index.json", "SHA256SUMS"))
 
 
 def test_hf_assets_from_a_bucket_into_files_and_into_a_bucket(tmp_path: Path, s3_endpoint: str, s3_bucket: str) -> None:
@@ -173,7 +174,9 @@ def test_hf_assets_from_a_bucket_into_files_and_into_a_bucket(tmp_path: Path, s3
     assert "left out subdirectory 'extra/' of" in read.notes[0] and "model.safetensors" in read.notes[1], read.notes
     mpicons.consolidate(run, f"s3://{s3_bucket}/out", hf_assets=url, s3_endpoint=s3_endpoint, dtype="bf16")
     client = s3server.client(s3_endpoint)
-    for name, data in _files(tmp_path / "with-local").items():
+    local_files = _files(tmp_path / "with-local")
+    assert "SHA256SUMS" in local_files  # the bucket's the same: the same files, the same digests
+    for name, data in local_files.items():
         assert client.get_object(Bucket=s3_bucket, Key=f"out/{name}")["Body"].read() == data, name
 
 

@@ -135,8 +135,10 @@ def test_torchs_storage_writer_consolidates_through_mpicons(installed: None, sha
         f"w.{DTYPES[dtype].lower()}": (torch.arange(8 * dist.get_world_size() * 3) % 7).to(dtype).view(-1, 3) for dtype in DTYPES
     }
     mapping = {name: 1 + i % 3 for i, name in enumerate(sorted(tensors))}
-    save_sharded(shared_tmp / "step-10", tensors, placements={}, fqn_to_index_mapping=mapping, enable_consolidation=True)
-    agreed(on_rank_0(lambda: assert_consolidated(shared_tmp / "step-10", as_expected(tensors), index_weight_map(mapping))))
+    step = shared_tmp / "step-10"
+    save_sharded(step, tensors, placements={}, fqn_to_index_mapping=mapping, enable_consolidation=True)
+    # The shards stay in step-10/sharded: not published, not in SHA256SUMS.
+    agreed(on_rank_0(lambda: assert_consolidated(step, as_expected(tensors), index_weight_map(mapping), unpublished=["sharded"])))
 
 
 def test_both_functions_write_the_same_bytes(installed: None, shared_tmp: Path) -> None:
@@ -199,7 +201,11 @@ def test_torchs_keywords_are_accepted_and_others_refused(installed: None, shared
             hf.consolidate_safetensors_files(
                 input_dir=str(shared_tmp / "shards"), output_dir=str(again), fqn_to_index_mapping=None, num_threads=2
             )
-            assert sorted(p.name for p in again.iterdir()) == ["model-00001-of-00001.safetensors", "model.safetensors.index.json"]
+            assert sorted(p.name for p in again.iterdir()) == [
+                "SHA256SUMS",
+                "model-00001-of-00001.safetensors",
+                "model.safetensors.index.json",
+            ]
 
     agreed(refused)
 

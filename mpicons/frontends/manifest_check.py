@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from ..comm.agreement import Comm, agree, agree_on
@@ -116,10 +117,13 @@ def _listed(directory: str, name: str, follow_links: bool) -> int | Problem:
     return file_problem(path, None, why, kind="refused")
 
 
-def _present(directory: str, follow_links: bool) -> tuple[list[str], list[Problem]]:
-    """The regular files in ``directory`` and its sub-folders (names relative to it, ``/`` between folders),
-    without the manifest and the hidden entries at the top (mpicons' lock and staging folders); folders
-    reached through a link are not entered. A folder that cannot be listed is a problem."""
+def _present(directory: str, follow_links: bool, listed: Iterable[str]) -> tuple[list[str], list[Problem]]:
+    """The regular files in ``directory`` and in the sub-folders the manifest lists files of (names relative
+    to it, ``/`` between folders; ``lora_adapter/``), without the manifest and the hidden entries at the top
+    (mpicons' lock and staging folders). Other folders are not the checkpoint's (torchtitan's shards in
+    ``STEP/sharded`` beside the model it consolidates into ``STEP``); folders reached through a link are
+    not entered. A folder that cannot be listed is a problem."""
+    published = {name.split("/", 1)[0] for name in listed if "/" in name}
     found: list[str] = []
     problems: list[Problem] = []
     folders = [""]
@@ -138,7 +142,8 @@ def _present(directory: str, follow_links: bool) -> tuple[list[str], list[Proble
                 continue
             try:
                 if entry.is_dir(follow_symlinks=False):
-                    folders.append(name)
+                    if folder or name in published:
+                        folders.append(name)
                 elif entry.is_file(follow_symlinks=follow_links):
                     found.append(name)
             except OSError:
@@ -164,7 +169,7 @@ def _look(directory: str, follow_links: bool) -> _Found | None:
             continue
         found.problems.append(looked)
         found.refused += [name] if looked.kind == "refused" else []
-    present, unlistable = _present(directory, follow_links)
+    present, unlistable = _present(directory, follow_links, digests)
     what = f"not listed in {MANIFEST_NAME} (added after it was written?)"
     found.problems += unlistable
     found.problems += [

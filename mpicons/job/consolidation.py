@@ -66,7 +66,7 @@ class ConsolidateResult:
     input_notes: list[str] = field(default_factory=list)
     #: Output bytes a stopped earlier run of the same command had made durable, kept instead of written again.
     resumed_bytes: int = 0
-    #: The checksum manifest published with the weights (``SHA256SUMS``), or "" (``manifest=False``, S3).
+    #: The checksum manifest published with the weights (``SHA256SUMS``), or "" (``manifest=False``).
     manifest: str = ""
 
 
