@@ -98,6 +98,7 @@ def run_rounds(ctx: Context, args: argparse.Namespace, src: Path, work: Path) ->
             if case in ("durable", "no-manifest", "no-records", "no-sync"):
                 weights = work / "reference"
                 if reference is None:
+                    shutil.rmtree(weights, ignore_errors=True)  # an earlier run's
                     shutil.copytree(out, weights, ignore=shutil.ignore_patterns("SHA256SUMS"))
                     reference = weights
                 else:
@@ -107,7 +108,7 @@ def run_rounds(ctx: Context, args: argparse.Namespace, src: Path, work: Path) ->
                         raise SystemExit(f"durability: {case} output differs: {difference}")
             results[case].append(entry)
             print(f"round {round_number + 1} {case:12s} {timed.wall:7.3f} s", flush=True)
-    quiesce(work / "out")
+    quiesce(work / "out", work / "reference")
     return results
 
 

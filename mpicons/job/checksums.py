@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from ..comm.agreement import Comm, agree
-from ..io.manifest import HASH_STEP, hash_file, spread_by_bytes
+from ..io.manifest import HASH_STEP, hash_file, hash_own_file, spread_by_bytes
 
 if TYPE_CHECKING:
     from ..io.s3 import S3Client
@@ -46,17 +46,18 @@ def hash_share(
     ranks: int,
     follow_links: bool = False,
     on_error: OnError | None = None,
+    own: bool = False,
 ) -> dict[int, str | None]:
     """The digests of the files ``rank`` of ``ranks`` hashes (no communication: every rank computes the
-    same spread), by file number."""
+    same spread), by file number. ``own``: files this run wrote, hashed through a mapping."""
     owners = spread_by_bytes(sizes, ranks)
-    buffer = memoryview(bytearray(HASH_STEP))
+    buffer = memoryview(bytearray(0 if own else HASH_STEP))
     digests: dict[int, str | None] = {}
     for file, owner in enumerate(owners):
         if owner != rank:
             continue
         try:
-            digests[file] = hash_file(paths[file], buffer, follow_links)
+            digests[file] = hash_own_file(paths[file]) if own else hash_file(paths[file], buffer, follow_links)
         except Exception as exc:
             if on_error is None:
                 raise

@@ -166,7 +166,7 @@ class DirectoryTarget:
         def both() -> dict[int, str | None]:
             with ThreadPoolExecutor(1, thread_name_prefix="mpicons-sync") as pool:
                 flushed = pool.submit(output.sync)
-                mine = hash_share(paths, sizes, comm.rank, comm.size)
+                mine = hash_share(paths, sizes, comm.rank, comm.size, own=True)
                 flushed.result()
             return mine
 
