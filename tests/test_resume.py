@@ -213,3 +213,20 @@ def test_the_manifest_lists_what_is_published_and_only_that(sample, tmp_path):
     again = consolidate(sample, out, comm=SingleProcess(), force=True, manifest=False, dtype="fp32")
     assert again.manifest == "" and not (out / "SHA256SUMS").exists()
     assert sorted(p.name for p in out.iterdir()) == sorted([*again.files, again.index_file])
+
+
+def test_set_aside_files_without_a_journal_are_never_taken_over(tmp_path):
+    """A resumable staging directory holding an old checkpoint's set-aside files but no journal is left to
+    recovery, which touches nothing: continuing it would delete those files."""
+    from mpicons.io.journal import UntrustedJournal
+    from mpicons.io.outdir import OutputDir
+
+    out = tmp_path / "out"
+    staging = out / ".mpicons-staging-0123456789abcdef"
+    (staging / ".replaced").mkdir(parents=True)
+    (staging / ".resume.json").write_bytes(RunIdentity("v", "o", "i", "l").to_bytes())
+    (staging / ".blocks-0123456789abcdef-0").write_bytes(pack_records([(0, 0, 10)]))
+    (staging / ".replaced" / "model.safetensors").write_bytes(b"the old checkpoint")
+    with pytest.raises(UntrustedJournal):
+        OutputDir.open(str(out))
+    assert (staging / ".replaced" / "model.safetensors").read_bytes() == b"the old checkpoint"

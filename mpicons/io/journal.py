@@ -88,7 +88,7 @@ class UntrustedJournal(InputError):
 
     def __init__(self, directory: str, staging: str, reason: str) -> None:
         self.directory, self.staging, self.reason = directory, staging, reason
-        self.set_aside = _set_aside_folders(staging)
+        self.set_aside = set_aside_folders(staging)
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -113,7 +113,7 @@ class UntrustedJournal(InputError):
 _ASIDE_NAMES = (ASIDE_DIR, "replaced")
 
 
-def _set_aside_folders(staging: str) -> list[str]:
+def set_aside_folders(staging: str) -> list[str]:
     """The staging directory's folders that hold set-aside entries (also of older mpicons versions)."""
     try:
         entries = list(os.scandir(staging))
@@ -313,7 +313,7 @@ class Transaction:
                     raise self._doubt(f"{out} is in the way of the set-aside file {kept}")
                 os.rename(kept, out)
         self._sync(self.directory)
-        if _set_aside_folders(self.staging):
+        if set_aside_folders(self.staging):
             raise self._doubt(f"files remain set aside in {self._staged(ASIDE_DIR)} after undoing")
         self.discard()
 
@@ -370,7 +370,7 @@ def settle(directory: str, staging: str) -> str:
     transaction = Transaction.recorded(directory, staging)
     name = os.path.basename(staging)
     if transaction is None:
-        if _set_aside_folders(staging):
+        if set_aside_folders(staging):
             raise UntrustedJournal(directory, staging, "it holds set-aside files but no journal")
         remove_staging(staging)
         return f"removed the unfinished files of an interrupted run ({name})"

@@ -161,11 +161,12 @@ class OutputDir:
         adopted = None
         for earlier in self.partial:
             seen = read_identity(earlier)
-            why = "it is not marked as mpicons marks one" if seen is None else None
-            if identity is None:
-                why = why or "this run cannot continue one (--no-sync, --io mpiio, HDF5, or inputs not on a shared file system)"
+            if seen is None:
+                why: str | None = "it is not marked as mpicons marks one"
+            elif identity is None:
+                why = "this run cannot continue one (--no-sync, --io mpiio, HDF5, or inputs not on a shared file system)"
             else:
-                why = why or identity.difference(seen)  # type: ignore[arg-type]
+                why = identity.difference(seen)
             if why is None and adopted is None:
                 adopted = earlier
                 continue
@@ -227,8 +228,13 @@ class OutputDir:
 
 
 def _is_partial(staging: str) -> bool:
-    """A stopped run's resumable staging directory that never began publishing."""
-    return is_resumable(staging) and not os.path.lexists(os.path.join(staging, JOURNAL_NAME))
+    """A stopped run's resumable staging directory that never began publishing (no journal, nothing set
+    aside: one holding set-aside files without a journal is left to recovery, which refuses to touch it)."""
+    return (
+        is_resumable(staging)
+        and not os.path.lexists(os.path.join(staging, JOURNAL_NAME))
+        and not journal.set_aside_folders(staging)
+    )
 
 
 def _keep_only(staging: str, names: set[str]) -> None:
