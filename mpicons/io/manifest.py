@@ -93,17 +93,18 @@ def hash_file(path: str, buffer: memoryview | None = None, follow_links: bool = 
 
 
 def hash_own_file(path: str) -> str:
-    """The SHA-256 of a file this run wrote and nobody else changes (a staged output): hashed through a
-    read-only mapping of its pages, which saves copying them (a file truncated meanwhile would fault, so
-    never for files others may change: :func:`hash_file` reads those)."""
+    """The SHA-256 of a file this run wrote and nobody else changes (a staged output), hashed through
+    read-only mappings of HASH_STEP bytes at a time: no copy of its pages, and no more of them mapped at
+    once than a read buffer would hold (a file truncated meanwhile would fault, so never for files others
+    may change: :func:`hash_file` reads those)."""
     digest = hashlib.sha256()
     try:
-        with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, prot=mmap.PROT_READ) as mapped:
-            with memoryview(mapped) as view:
-                for offset in range(0, len(view), HASH_STEP):
-                    digest.update(view[offset : offset + HASH_STEP])
-    except ValueError:  # an empty file cannot be mapped
-        pass
+        with open(path, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            for offset in range(0, size, HASH_STEP):
+                length = min(HASH_STEP, size - offset)
+                with mmap.mmap(handle.fileno(), length, prot=mmap.PROT_READ, offset=offset) as window:
+                    digest.update(window)
     except OSError as exc:
         raise WriteError(f"{path}: cannot read to hash it ({exc.strerror})") from None
     return digest.hexdigest()
