@@ -107,6 +107,17 @@ def test_signal_to_one_rank_ends_all_ranks(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("split", ["files", "bytes"])
+def test_signal_as_a_collective_phase_starts_ends_all_ranks(tmp_path, split):
+    """One rank's signal lands as the write phase starts, where the other ranks are already in the phase's
+    first collective call (the progress channel, the exchange): it stops there, agreed, not before it."""
+    out = tmp_path / "out"
+    proc, _ = mpirun(3, [INJECT, "signal-phase-start", "1", "--", "consolidate", str(INPUT), str(out), "--split", split])
+    assert proc.returncode == 1, proc.stderr
+    assert "[rank 1] interrupted by SIGTERM" in proc.stderr
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("fault", ["signal-progress-start", "signal-progress-finish"])
 @pytest.mark.parametrize("victim", [0, 2])
 def test_a_signal_inside_the_progress_protocol_ends_every_rank(tmp_path, fault, victim):

@@ -54,13 +54,18 @@ def _raise_held() -> None:
         raise KeyboardInterrupt
 
 
-def _outcome(fn: Callable[[], T]) -> tuple[Error | None, T | None]:
+def _outcome(fn: Callable[[], T], collective: bool = False) -> tuple[Error | None, T | None]:
     try:
-        with raising_inside():
-            raise_pending()
-            _raise_held()
-            value = fn()
+        if collective:  # fn raises a signal itself where it may; every rank runs its message pattern
+            with deferred():
+                value = fn()
+        else:
+            with raising_inside():
+                raise_pending()
+                _raise_held()
+                value = fn()
         raise_pending()
+        _raise_held()
         return None, value
     except InputError as exc:
         return ("input", str(exc)), None
@@ -90,16 +95,21 @@ def _raise_agreed(errors: Sequence[Error | None], mine: Error | None) -> None:
     raise _KINDS[kind](f"[rank {rank}] {message}")
 
 
-def agree(comm: Comm, fn: Callable[[], T], *, gather: bool = False, root: int | None = None) -> Any:
+def agree(comm: Comm, fn: Callable[[], T], *, gather: bool = False, root: int | None = None, collective: bool = False) -> Any:
     """Run ``fn`` and agree on its outcome over ``comm``.
 
     - default: every rank runs ``fn``; returns this rank's value.
+    - ``collective=True``: ``fn`` itself communicates over ``comm`` (a collective call, a message
+      pattern), which every rank must complete. A signal is then only recorded while ``fn`` runs
+      (``fn`` may raise it inside :func:`~mpicons.comm.interrupts.raising_inside`, around work of its
+      own) and raised, agreed, after it: a rank that raised at the phase's start would leave the
+      others waiting in ``fn``'s first collective.
     - ``gather=True``: returns the list of every rank's value (one allgather).
     - ``root=r``: only rank ``r``'s outcome counts and is broadcast (one bcast); other
       ranks still call ``fn`` so it should return None cheaply there (a signal or an
       interrupt caught there is raised, and agreed, in the rank's next phase).
     """
-    error, value = _outcome(fn)
+    error, value = _outcome(fn, collective)
     if root is not None:
         if comm.rank != root and error is not None and error[0] == "interrupt":
             _Held.interrupt = True  # only root's outcome is exchanged here: agreed in the next phase

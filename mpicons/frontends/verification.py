@@ -299,6 +299,7 @@ def _compare_with_shards(comm: Comm, against: str, options: Options, checked: _C
             comm, scanned, layout, part, output_dir, located, comparable, options.buffer_size, checked.follow_links
         ),
         gather=True,
+        collective=True,
     )
     diffs: dict[int, Diff] = {}
     for share in shares:

@@ -109,12 +109,14 @@ class DirectoryTarget:
         sources = open_sources(scanned)
         resume = None
         try:
-            agree(comm, output.create)
+            agree(comm, output.create, collective=True)
             if identity is not None:
                 if done is None:
                     agree_on(comm, self.owner, lambda: write_identity(staging, identity))
                 resume = Resume(done or DoneRanges([], []), BlockLog(staging, self.token, comm.rank), output.flusher)
-            written, moved = agree(comm, lambda: write_share(comm, scanned, layout, part, sources, output, tuning, resume))
+            written, moved = agree(
+                comm, lambda: write_share(comm, scanned, layout, part, sources, output, tuning, resume), collective=True
+            )
             self.digests = self._sync_and_hash(output, paths, layout)
             if resume is not None:
                 agree(comm, lambda: resume.log.append(resume.log.take()))
@@ -156,11 +158,11 @@ class DirectoryTarget:
         page cache while the flush waits for the disk. Every file is hashed whole by one rank."""
         comm = self.comm
         if not self.publishing.manifest:
-            agree(comm, output.sync)
+            agree(comm, output.sync, collective=True)
             return {}
         sizes = [f.size for f in layout.files]
         if not output.threaded:  # MPI-IO's flush is collective: not from a thread
-            agree(comm, output.sync)
+            agree(comm, output.sync, collective=True)
             return {f.name: str(digest) for f, digest in zip(layout.files, hash_over_ranks(comm, paths, sizes))}
 
         def both() -> dict[int, str | None]:

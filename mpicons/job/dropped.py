@@ -104,7 +104,7 @@ def _count(comm: Comm, sub: Scanned, checks: Sequence[_Check], buffer_size: int)
     tally = _Tally(layout, readable, chunk)
     sources = open_sources(sub)
     try:
-        agree(comm, lambda: feed_blocks(comm, sub, layout, part, sources, buffer_size, tally))
+        agree(comm, lambda: feed_blocks(comm, sub, layout, part, sources, buffer_size, tally), collective=True)
     finally:
         sources.close()
     comm.allreduce_array(tally.counts, "sum")

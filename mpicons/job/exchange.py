@@ -25,7 +25,7 @@ import numpy as np
 from ..comm import Request, wait_all
 from ..comm.agreement import Comm
 from ..comm.base import EXCHANGE_TAG
-from ..comm.interrupts import deferred, pending_signal
+from ..comm.interrupts import deferred, pending_signal, raise_pending, raising_inside
 from ..core.blocks import Block, Direct, Segment, block_budget, blocks, direct_pieces, plan_item
 from ..core.engine import Assembler, coalesce, place
 from ..core.errors import Interrupted, MpiconsError
@@ -245,23 +245,13 @@ def feed_blocks(
 
     With shared input a rank assembles its own blocks; a failure to read or to take a block goes to
     ``on_error`` (raised without it). Otherwise the blocks come through the exchange (collective:
-    every rank of ``comm`` calls this), which raises the first failure once its messages are done.
+    every rank of ``comm`` calls this, in a phase agreed with ``collective=True``), which raises the first
+    failure once its messages are done.
     """
     if scanned.shared:
-        block_bytes = block_budget(buffer_size, 2)
-        assembler = Assembler(layout, part, block_bytes, sources.read_into)
-        buffer = np.empty(block_bytes, dtype=np.uint8)
-        segments = [Segment(i.tensor, i.row_begin, i.row_end) for i in part.items]
-        for whole in blocks(layout, segments, block_bytes):
-            for block, runs in assembler.split(whole):
-                if len(buffer) < block.size:
-                    buffer = np.empty(block.size, dtype=np.uint8)
-                try:
-                    sink(block, assembler.assemble(block, buffer, runs))
-                except (MpiconsError, OSError) as exc:
-                    if on_error is None:
-                        raise
-                    on_error(block, exc)
+        with raising_inside():  # no messages: a signal stops this rank's reading at once
+            raise_pending()
+            _feed_own_blocks(layout, part, sources, buffer_size, sink, on_error)
         return
     with deferred():  # a message pattern every rank must complete (the exchange polls for signals itself)
         channel = comm.duplicate()
@@ -271,3 +261,28 @@ def feed_blocks(
             ).run()
         finally:
             channel.free()
+
+
+def _feed_own_blocks(
+    layout: Layout,
+    part: Part,
+    sources: SourceFiles,
+    buffer_size: int,
+    sink: Callable[[Block, np.ndarray], None],
+    on_error: Callable[[Block, BaseException], None] | None,
+) -> None:
+    """:func:`feed_blocks` with shared input: this rank assembles its own blocks from the shards."""
+    block_bytes = block_budget(buffer_size, 2)
+    assembler = Assembler(layout, part, block_bytes, sources.read_into)
+    buffer = np.empty(block_bytes, dtype=np.uint8)
+    segments = [Segment(i.tensor, i.row_begin, i.row_end) for i in part.items]
+    for whole in blocks(layout, segments, block_bytes):
+        for block, runs in assembler.split(whole):
+            if len(buffer) < block.size:
+                buffer = np.empty(block.size, dtype=np.uint8)
+            try:
+                sink(block, assembler.assemble(block, buffer, runs))
+            except (MpiconsError, OSError) as exc:
+                if on_error is None:
+                    raise
+                on_error(block, exc)

@@ -143,7 +143,7 @@ class S3Target:
         output = S3Output(self.client, names, [f.header for f in layout.files], plan, self.upload_ids, self.comm.rank)
         try:
             agree(self.comm, output.create)
-            written, moved = agree(self.comm, lambda: write_share(output))
+            written, moved = agree(self.comm, lambda: write_share(output), collective=True)
             agree(self.comm, output.sync)
         finally:
             output.close()

@@ -362,7 +362,7 @@ def _read_whole(
     sink = sink_for(layout)
     sources = open_sources(sub)
     try:
-        agree(comm, lambda: feed_blocks(comm, sub, layout, part, sources, buffer_size, sink))
+        agree(comm, lambda: feed_blocks(comm, sub, layout, part, sources, buffer_size, sink), collective=True)
     finally:
         sources.close()
     return layout

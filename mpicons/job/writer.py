@@ -221,7 +221,8 @@ def write_share(
 ) -> tuple[int, int]:
     """This rank's share of the writing (bytes written, bytes sent); with progress, reports flow to rank 0
     meanwhile. ``resume``: blocks an earlier run made durable are skipped, and what is durable is recorded
-    (the plain writer only: an exchanging job is never continued)."""
+    (the plain writer only: an exchanging job is never continued). Every rank calls this, in a phase
+    agreed with ``collective=True``: making the progress channel is a collective call."""
     exchanging = not scanned.shared or tuning.gather_to is not None
     # Making the channel and the reporter, and their teardown, are a protocol every rank must complete:
     # a signal stops only the writing itself (the exchange polls for signals between its blocks).

@@ -4,7 +4,8 @@ Usage: inject.py FAULT RANK -- mpicons arguments...
 FAULT: ``write-oserror`` (an I/O error while writing), ``bug-after-write`` (an unexpected exception
 outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write),
 ``signal-progress-start`` / ``-finish`` (the rank gets SIGTERM as the progress reporter starts /
-finishes, inside the message pattern every rank must complete), ``slow-write`` (every rank writes
+finishes, inside the message pattern every rank must complete), ``signal-phase-start`` (the rank
+gets SIGTERM as its write phase starts, before the phase's first collective call), ``slow-write`` (every rank writes
 slowly), ``hold-write`` (every rank waits at its first block until the file named by
 ``MPICONS_TEST_RELEASE`` exists, so a test can act while a run is certainly mid-write),
 ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``read-error`` (every shard read fails),
@@ -113,6 +114,16 @@ elif rank == victim:
                 time.sleep(30)
 
         mpicons.job.writer.block_hook = stop_at_first
+    elif fault == "signal-phase-start":  # the rank gets SIGTERM as its write phase starts, before any message
+        import mpicons.job.directory_target
+
+        original_share = mpicons.job.directory_target.write_share
+
+        def signalled_share(*a, **k):
+            os.kill(os.getpid(), signal.SIGTERM)
+            return original_share(*a, **k)
+
+        mpicons.job.directory_target.write_share = signalled_share
     elif fault in ("signal-progress-start", "signal-progress-finish"):  # the rank gets SIGTERM in the reporter's protocol
         import mpicons.job.progress
 
