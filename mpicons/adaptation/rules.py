@@ -194,6 +194,11 @@ def evaluate(node: ast.expr | ast.Expression, config: Mapping[str, object], wher
     return value(node)
 
 
+def evaluate_text(text: str, config: Mapping[str, object], where: str) -> int | tuple[int, ...]:
+    """An expression written in a rule (a target's ``{N + num_hidden_layers}``), evaluated against the config."""
+    return evaluate(_expression(text, where), config, where)
+
+
 def _expression(text: str, where: str) -> ast.expr:
     try:
         tree = ast.parse(text.strip(), mode="eval")
@@ -517,5 +522,6 @@ __all__ = [
     "choose_rules",
     "target_names",
     "evaluate",
+    "evaluate_text",
     "lookup",
 ]
