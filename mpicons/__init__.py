@@ -25,6 +25,10 @@ _EXPORTS = {
     "InspectReport": "frontends.inspection",
     "verify": "frontends.verification",
     "VerifyReport": "frontends.verification",
+    "shard": "job.sharding",
+    "ShardOptions": "job.sharding",
+    "ShardResult": "job.sharding",
+    "Parallelism": "job.sharding",
     "Options": "core.options",
     "Communicator": "comm",
     "MpiconsError": "core.errors",
@@ -45,6 +49,7 @@ if TYPE_CHECKING:
     from .frontends.inspection import InspectReport, inspect
     from .frontends.verification import VerifyReport, verify
     from .job.consolidation import ConsolidateResult, consolidate
+    from .job.sharding import Parallelism, ShardOptions, ShardResult, shard
 
 
 def __getattr__(name: str) -> Any:
@@ -71,6 +76,10 @@ __all__ = [
     "InspectReport",
     "verify",
     "VerifyReport",
+    "shard",
+    "ShardOptions",
+    "ShardResult",
+    "Parallelism",
     "Options",
     "Communicator",
     "MpiconsError",

@@ -162,6 +162,7 @@ def test_no_parser_takes_abbreviations():
         "demo": False,
         "verify": False,
         "inspect": False,
+        "shard": False,
     }
 
 

@@ -53,6 +53,7 @@ class SavedTensor:
     shape: Shape
     fills: tuple[Fill, ...]
     rule: str  # where the rule is written: FILE:LINE
+    stacked: int = 0  # how many leading axes stack tensors (layers, experts)
 
 
 @dataclass(frozen=True)
@@ -230,7 +231,7 @@ def _saved(
             for part, size in enumerate(sizes):
                 fills.append(Fill(claims.names[(indices, part)], group * size, stack * rows + offset, size))
                 offset += size
-    return SavedTensor(claims.source, (*counts, rows, *rest), tuple(fills), rule.where)
+    return SavedTensor(claims.source, (*counts, rows, *rest), tuple(fills), rule.where, len(counts))
 
 
 def _number(value: int | tuple[int, ...], rule: Rule) -> int:

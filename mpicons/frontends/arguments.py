@@ -240,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     _add_inspect_command(commands)
+    _add_shard_command(commands)
     return parser
 
 
@@ -287,6 +288,32 @@ def _add_inspect_command(commands: Any) -> None:
         metavar="N",
         help="rows per list in the table, 0 for all (default: %(default)s)",
     )
+
+
+def _add_shard_command(commands: Any) -> None:
+    """``mpicons shard``: a Hugging Face model written as a trainer's checkpoint (the other direction)."""
+    shard = commands.add_parser("shard", help="write a Hugging Face model as a Megatron-Core torch_dist checkpoint")
+    shard.add_argument("model_dir", help="a Hugging Face model directory (model*.safetensors, config.json)")
+    shard.add_argument("output_dir", help="the Megatron run directory to write (latest_checkpointed_iteration.txt, release/)")
+    shard.add_argument("--to", choices=["megatron"], default="megatron", help="the checkpoint format (default: %(default)s)")
+    for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--ep", "expert")):
+        shard.add_argument(
+            flag, type=_int_at_least(1), default=1, metavar="N", help=f"{what}-parallel size the run uses (default: 1)"
+        )
+    shard.add_argument(
+        "--spec", choices=["local", "te"], default="local", help="Megatron layer spec: norm names (default: local)"
+    )
+    shard.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=_int_at_least(1),
+        default=128,
+        metavar="N",
+        help="as Megatron-LM's flag: the vocabulary is padded to a multiple of N x TP (default: %(default)s)",
+    )
+    shard.add_argument("--hf-assets", metavar="DIR", help="the directory holding config.json (default: the model's)")
+    shard.add_argument("--force", action="store_true", help="replace a tracker file left without a checkpoint")
+    shard.add_argument("--no-sync", action="store_true", help="do not flush to stable storage before publishing")
+    shard.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
 
 
 def _add_selection_options(cmd: argparse.ArgumentParser) -> None:

@@ -264,12 +264,35 @@ def _cmd_inspect(args: argparse.Namespace, comm: Comm) -> int:
     return 0 if report.ok else 2
 
 
+def _cmd_shard(args: argparse.Namespace, comm: Comm) -> int:
+    """A Hugging Face model written as a Megatron-Core ``torch_dist`` checkpoint (:mod:`mpicons.job.sharding`)."""
+    from ..comm.agreement import agree
+    from ..core.reports import count_of, human_bytes
+    from ..job.sharding import ShardOptions, shard
+    from ..trainers.megatron.export import Parallelism
+
+    parallel = agree(
+        comm,
+        lambda: Parallelism(args.tp, args.pp, args.ep, args.make_vocab_size_divisible_by, args.spec),
+    )
+    options = ShardOptions(parallel, args.hf_assets, args.force, not args.no_sync)
+    result = shard(args.model_dir, args.output_dir, options, comm=comm)
+    if comm.rank == 0 and not args.quiet:
+        say(
+            f"wrote {result.checkpoint}: {count_of(result.tensors, 'tensor')} ({human_bytes(result.bytes)}) for "
+            f"TP{parallel.tp} PP{parallel.pp} EP{parallel.ep} in {result.seconds:.1f} s over {count_of(comm.size, 'rank')}; "
+            f"load it with Megatron-LM's --load {args.output_dir} --finetune --no-load-optim --no-load-rng"
+        )
+    return 0
+
+
 #: Each command's function, by the name it is given on the command line.
 COMMANDS: dict[str, Callable[[argparse.Namespace, Comm], int]] = {
     "consolidate": _cmd_consolidate,
     "verify": _cmd_verify,
     "demo": _cmd_demo,
     "inspect": _cmd_inspect,
+    "shard": _cmd_shard,
 }
 
 
