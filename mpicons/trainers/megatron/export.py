@@ -22,8 +22,8 @@ from ...adaptation.inverse import SavedForm, SavedTensor
 from ...core.errors import InputError
 from ...core.safetensors_codec import DTYPE_BY_NAME
 from ...formats.pickle_writer import Call, Global, Obj, dumps
+from ...formats.torch_pickles import METADATA_MODULE, tensor_pickle, torch_size
 from ...formats.torch_zip import archive_around
-from ..sample_distcp import METADATA_MODULE, tensor_pickle, torch_size
 
 RELEASE = "release"
 TRACKER_NAME = "latest_checkpointed_iteration.txt"
