@@ -7,8 +7,8 @@ then ``PYTHONPATH=DIR``)::
     torchrun --nproc-per-node TP tests/scripts/megatron_core_load.py CHECKPOINT MODEL_DIR CASE
 
 CHECKPOINT is ``mpicons shard``'s output directory, MODEL_DIR the Hugging Face model it was written from,
-CASE the Megatron fixture's name (``llama-tp2``, ``qwen2-tp2``, ``qwen3-pp2``: dense families). The model is
-built with Megatron-Core's local layer spec at TP = the number of processes, loaded, and (at TP 1) every
+CASE the Megatron fixture's name (``llama-tp2``, ``qwen2-tp2``, ``qwen3-pp2``, ``qwen3moe-ep2``). The model is
+built with Megatron-Core's local layer spec at TP (EP for a MoE model) = the number of processes, loaded, and (at TP 1) every
 parameter compared with what Megatron-LM saved for the model (tests/megatron_cases.py); its logits are
 compared with transformers' for the same Hugging Face weights.
 """
@@ -36,18 +36,26 @@ def build(config: dict, args: object, world: int):  # type: ignore[no-untyped-de
     from megatron.core.transformer import TransformerConfig
 
     qk_norm = bool(args.qk_layernorm)  # type: ignore[attr-defined]
+    experts = args.num_experts  # type: ignore[attr-defined]
+    moe = {} if not experts else {
+        "num_moe_experts": experts, "moe_ffn_hidden_size": args.moe_ffn_hidden_size,  # type: ignore[attr-defined]
+        "moe_router_topk": args.moe_router_topk, "moe_router_pre_softmax": False,  # type: ignore[attr-defined]
+        "moe_router_load_balancing_type": "none", "moe_token_dispatcher_type": "allgather",
+        "expert_model_parallel_size": world,
+    }  # fmt: skip
     settings = TransformerConfig(
         num_layers=config["num_hidden_layers"], hidden_size=config["hidden_size"],
         num_attention_heads=config["num_attention_heads"], num_query_groups=config["num_key_value_heads"],
         kv_channels=config.get("head_dim"), ffn_hidden_size=config["intermediate_size"], normalization="RMSNorm",
         layernorm_epsilon=config["rms_norm_eps"], gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
-        add_qkv_bias=bool(args.add_qkv_bias), qk_layernorm=qk_norm, bf16=True, params_dtype=torch.bfloat16,  # type: ignore[attr-defined]
-        use_cpu_initialization=True, tensor_model_parallel_size=world, hidden_dropout=0.0, attention_dropout=0.0,
+        add_qkv_bias=bool(args.add_qkv_bias), qk_layernorm=qk_norm, bf16=True,  # type: ignore[attr-defined]
+        params_dtype=torch.bfloat16, use_cpu_initialization=True, tensor_model_parallel_size=1 if experts else world,
+        hidden_dropout=0.0, attention_dropout=0.0,
         perform_initialization=False, bias_dropout_fusion=False, apply_rope_fusion=False, masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False, persist_layer_norm=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, **moe,
     )  # fmt: skip
     return GPTModel(
-        settings, get_gpt_layer_local_spec(qk_layernorm=qk_norm), vocab_size=args.padded_vocab_size,  # type: ignore[attr-defined]
+        settings, get_gpt_layer_local_spec(num_experts=experts, qk_layernorm=qk_norm), vocab_size=args.padded_vocab_size,  # type: ignore[attr-defined]
         max_sequence_length=128, share_embeddings_and_output_weights=bool(config.get("tie_word_embeddings")),
         position_embedding_type="rope", rotary_base=int(args.rotary_base), parallel_output=False,  # type: ignore[attr-defined]
     )  # fmt: skip
@@ -74,19 +82,26 @@ def main() -> None:
     checkpoint, model_dir, case = sys.argv[1:4]
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # rotary tables on the CPU
     from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.tensor_parallel import random as megatron_random
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     config = json.loads(Path(model_dir, "config.json").read_text())
     args = torch.load(os.path.join(checkpoint, "release", "common.pt"), weights_only=False)["args"]
+    if args.num_experts:  # experts over the ranks (EP), attention whole on each
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, expert_model_parallel_size=world)
+    else:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     model = build(config, args, world)
     sharded = model.sharded_state_dict()
     state = dist_checkpointing.load(sharded, os.path.join(checkpoint, "release"))
     missing = [m for m in model.load_state_dict(state, strict=False)[0] if not m.endswith("_extra_state")]
     model.eval()
-    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]  # rotary tables on the CPU
     megatron_random.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # no dropout RNG on CPU
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # megatron-core 0.16.1 names it without Transformer Engine installed
     tokens = torch.tensor([[5, 17, 301, 999, 42, 7, 123, 640]])
     mask = torch.triu(torch.ones(8, 8), diagonal=1).bool()[None, None]
     with torch.no_grad():
@@ -97,9 +112,10 @@ def main() -> None:
         with torch.no_grad():
             reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)(tokens).logits.float()
         agree = (logits.argmax(-1) == reference.argmax(-1)).float().mean().item()
-        checked = compare_parameters(sharded, state, case) if world == 1 else "parameters compared at TP 1"
+        checked = compare_parameters(sharded, state, case) if world == 1 else "parameters compared on 1 process"
         print(
-            f"TP{world}: loaded, missing keys {missing}; {checked}; max |logits - transformers'| "
+            f"{'EP' if args.num_experts else 'TP'}{world}: loaded, missing keys {missing}; {checked}; "
+            f"max |logits - transformers'| "
             f"{(logits - reference).abs().max().item():.4f} in bf16 (largest logit {reference.abs().max().item():.2f}), "
             f"argmax agreement {agree:.3f}"
         )
