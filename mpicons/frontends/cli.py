@@ -280,7 +280,8 @@ def _cmd_shard(args: argparse.Namespace, comm: Comm) -> int:
     if comm.rank == 0 and not args.quiet:
         say(
             f"wrote {result.checkpoint}: {count_of(result.tensors, 'tensor')} ({human_bytes(result.bytes)}) for "
-            f"TP{parallel.tp} PP{parallel.pp} EP{parallel.ep} in {result.seconds:.1f} s over {count_of(comm.size, 'rank')}; "
+            f"TP{parallel.tp} PP{parallel.pp} EP{parallel.ep} in {result.seconds:.1f} s over {count_of(comm.size, 'rank')} "
+            f"({human_bytes(min(result.bytes_per_rank))} to {human_bytes(max(result.bytes_per_rank))} each); "
             f"load it with Megatron-LM's --load {args.output_dir} --finetune --no-load-optim --no-load-rng"
         )
     return 0

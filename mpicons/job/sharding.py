@@ -79,11 +79,14 @@ class Copy:
 
 @dataclass(frozen=True)
 class ShardResult:
+    """What ``shard`` wrote: the checkpoint directory, its tensors and items, the bytes each rank copied."""
+
     checkpoint: str  # OUT/release
     tensors: int
     items: int
     bytes: int  # tensor bytes copied
     seconds: float
+    bytes_per_rank: tuple[int, ...] = ()
 
 
 def read_model(src: str, hf_assets: str | None) -> Model:
@@ -218,8 +221,9 @@ def shard(
         if holder:
             holder[0].close()
     tensors = sum(1 for item in plan.items if item.tensor is not None)
-    return ShardResult(os.path.join(out, RELEASE), tensors, len(plan.items), sum(c.length for c in plan.copies),
-                       time.perf_counter() - started)  # fmt: skip
+    per_rank = tuple(sum(c.length for c in share_of(plan.copies, r, comm.size)) for r in range(comm.size))
+    return ShardResult(os.path.join(out, RELEASE), tensors, len(plan.items), sum(per_rank),
+                       time.perf_counter() - started, per_rank)  # fmt: skip
 
 
 def _begin(out: str, options: ShardOptions, holder: list[OutputDir]) -> str:

@@ -60,15 +60,28 @@ class Parallelism:
         return -(-vocab // step) * step
 
 
+def expert_layers(config: Mapping[str, Any]) -> list[bool] | None:
+    """Which layers of a Qwen-MoE or Mixtral model have experts (None: a dense model): Qwen-MoE's
+    ``mlp_only_layers`` and ``decoder_sparse_step`` leave some dense."""
+    if not _field(config, "num_experts", "num_local_experts"):
+        return None
+    layers = int(_field(config, "num_hidden_layers", default=0))
+    dense, step = set(config.get("mlp_only_layers") or ()), int(config.get("decoder_sparse_step") or 1)
+    return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
+
+
 def saved_form(config: Mapping[str, Any], spec: str) -> SavedForm:
     """The names Megatron-LM saves for this model and layer spec (FACTS.md §4, §15): layers one key
-    each where they differ (DeepSeek-V3's dense first layers) with separate norm modules; MoE layers
-    under the Transformer Engine spec keep a separate ``pre_mlp_layernorm``."""
+    each where they differ (DeepSeek-V3's dense first layers, a Qwen-MoE's dense layers), DeepSeek-V3's
+    with separate norm modules; MoE layers under the Transformer Engine spec keep a separate
+    ``pre_mlp_layernorm``."""
     if config.get("model_type") == "deepseek_v3":
         return SavedForm(frozenset({"N"}), _FUSED_NORMS)
-    if spec == "te" and (config.get("num_experts") or config.get("num_local_experts")):
-        return SavedForm(unsaved=("linear_fc1.layer_norm_weight",))
-    return SavedForm()
+    experts = expert_layers(config)
+    keyed = frozenset({"N"}) if experts is not None and not all(experts) else frozenset()
+    if spec == "te" and experts is not None:
+        return SavedForm(keyed, ("linear_fc1.layer_norm_weight",))
+    return SavedForm(keyed)
 
 
 def check_layers(config: Mapping[str, Any], parallel: Parallelism) -> None:
@@ -222,8 +235,22 @@ def model_args(config: Mapping[str, Any], parallel: Parallelism, dtype: str) -> 
         "ckpt_format": "torch_dist", "transformer_impl": "transformer_engine" if parallel.spec == "te" else "local",
         "bf16": dtype == "BF16", "fp16": dtype == "F16",
         "params_dtype": Global("torch", {"BF16": "bfloat16", "F16": "float16"}.get(dtype, "float32")),
-        **(_mla_args(config) if config.get("model_type") == "deepseek_v3" else {}),
+        **(_mla_args(config) if config.get("model_type") == "deepseek_v3" else _moe_args(config)),
     }  # fmt: skip
+
+
+def _moe_args(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A Qwen-MoE's or Mixtral's routing: softmax scores, renormalised over the top k (Megatron's softmax
+    after the top-k choice) unless Qwen-MoE's ``norm_topk_prob`` is false; which layers have experts."""
+    experts = expert_layers(config)
+    if experts is None:
+        return {}
+    renormalised = config.get("model_type") == "mixtral" or bool(config.get("norm_topk_prob"))
+    return {
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not renormalised,
+        "moe_layer_freq": 1 if all(experts) else [int(e) for e in experts],
+    }
 
 
 def _mla_args(config: Mapping[str, Any]) -> dict[str, Any]:
