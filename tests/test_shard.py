@@ -10,12 +10,14 @@ from __future__ import annotations
 import io
 import json
 import shutil
+import signal
+import time
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import cli
+from helpers import ROOT, cli, start
 from megatron_cases import CASES, expected_dir, hf_assets, saved_tensors, shape_of, verify_record
 
 import mpicons
@@ -233,3 +235,18 @@ def test_a_model_transformers_saved_round_trips(tmp_path, family, ep):
         original.pop("lm_head.weight", None)  # transformers may save the tied head; Megatron keeps the embedding
     assert sorted(back) == sorted(original)
     assert all(back[name].tobytes() == original[name].tobytes() for name in original)
+
+
+def test_a_signal_mid_copy_ends_every_rank_and_publishes_nothing(tmp_path):
+    """What Slurm sends at a time limit, while the ranks copy: every rank stops, nothing is published, the
+    staging directory and the output directory the run made are removed."""
+    out = tmp_path / "m"
+    inject = ROOT / "tests" / "scripts" / "inject.py"
+    proc = start(2, inject, "slow-shard", "0", "--", "shard", expected_dir("llama-tp2"), out, "--tp", "2")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not list(out.glob(".mpicons-staging-*/release/__0_0.distcp")):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=30)
+    assert proc.returncode != 0 and "interrupted by SIGTERM" in stderr, stderr
+    assert not out.exists()

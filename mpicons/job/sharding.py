@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,6 +46,13 @@ from ..trainers.megatron.export import (
 )
 
 BUFFER = 16 << 20
+
+
+def _no_hook(length: int) -> None:
+    """Called before each copy (tests slow the copying down to act while it runs)."""
+
+
+copy_hook: Callable[[int], None] = _no_hook
 
 
 @dataclass(frozen=True)
@@ -253,6 +260,7 @@ def _copy_share(output: OutputBackend, sources: SourceFiles, copies: Sequence[Co
     bounce = np.empty(BUFFER, dtype=np.uint8)
     try:
         for copy in copies:
+            copy_hook(copy.length)
             output.copy(sources, copy.file, copy.source, 0, copy.offset, copy.length, bounce)
     finally:
         sources.close()

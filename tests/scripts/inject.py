@@ -5,9 +5,10 @@ FAULT: ``write-oserror`` (an I/O error while writing), ``bug-after-write`` (an u
 outside any agreed phase), ``signal-write`` (the rank gets SIGTERM mid-write),
 ``signal-progress-start`` / ``-finish`` (the rank gets SIGTERM as the progress reporter starts /
 finishes, inside the message pattern every rank must complete), ``signal-phase-start`` (the rank
-gets SIGTERM as its write phase starts, before the phase's first collective call), ``slow-write`` (every rank writes
-slowly), ``hold-write`` (every rank waits at its first block until the file named by
-``MPICONS_TEST_RELEASE`` exists, so a test can act while a run is certainly mid-write),
+gets SIGTERM as its write phase starts, before the phase's first collective call), ``slow-write``
+(every rank writes slowly), ``slow-shard`` (every rank copies slowly in ``mpicons shard``),
+``hold-write`` (every rank waits at its first block until the file named by ``MPICONS_TEST_RELEASE``
+exists, so a test can act while a run is certainly mid-write),
 ``fsize-limit`` (RLIMIT_FSIZE of 200 kB on every rank), ``read-error`` (every shard read fails),
 ``kill-write`` (the rank SIGKILLs itself mid-write), ``publish-STEP-HOW`` (at the publishing step
 whose label starts with STEP: ``error`` raises an I/O error, ``kill`` SIGKILLs the process,
@@ -50,6 +51,10 @@ if fault == "fsize-limit":  # every rank, once MPI is up (its shared memory must
     mpicons.comm.as_communicator = limited
 elif fault == "slow-write":  # every rank: slow writes, so a signal can arrive mid-write
     mpicons.job.writer.block_hook = lambda size: time.sleep(0.05)
+elif fault == "slow-shard":  # every rank: slow copies in mpicons shard, so a signal can arrive mid-copy
+    import mpicons.job.sharding
+
+    mpicons.job.sharding.copy_hook = lambda size: time.sleep(0.05)
 elif fault == "hold-write":  # every rank: hold the first block until the test creates the release file
     release = os.environ["MPICONS_TEST_RELEASE"]
     held = []
