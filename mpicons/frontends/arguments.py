@@ -293,7 +293,9 @@ def _add_inspect_command(commands: Any) -> None:
 def _add_shard_command(commands: Any) -> None:
     """``mpicons shard``: a Hugging Face model written as a trainer's checkpoint (the other direction)."""
     shard = commands.add_parser("shard", help="write a Hugging Face model as a Megatron-Core torch_dist checkpoint")
-    shard.add_argument("model_dir", help="a Hugging Face model directory (model*.safetensors, config.json)")
+    shard.add_argument(
+        "model_dir", help="a Hugging Face model: a directory or s3://BUCKET/PREFIX (model*.safetensors, config.json)"
+    )
     shard.add_argument("output_dir", help="the Megatron run directory to write (latest_checkpointed_iteration.txt, release/)")
     shard.add_argument("--to", choices=["megatron"], default="megatron", help="the checkpoint format (default: %(default)s)")
     for flag, what in (("--tp", "tensor"), ("--pp", "pipeline"), ("--ep", "expert")):
@@ -311,6 +313,7 @@ def _add_shard_command(commands: Any) -> None:
         help="as Megatron-LM's flag: the vocabulary is padded to a multiple of N x TP (default: %(default)s)",
     )
     shard.add_argument("--hf-assets", metavar="DIR", help="the directory holding config.json (default: the model's)")
+    shard.add_argument("--s3-endpoint", metavar="URL", help="for an s3:// model: the S3 API's endpoint (default: boto3's)")
     shard.add_argument("--force", action="store_true", help="replace a tracker file left without a checkpoint")
     shard.add_argument("--no-sync", action="store_true", help="do not flush to stable storage before publishing")
     shard.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")

@@ -275,7 +275,7 @@ def _cmd_shard(args: argparse.Namespace, comm: Comm) -> int:
         comm,
         lambda: Parallelism(args.tp, args.pp, args.ep, args.make_vocab_size_divisible_by, args.spec),
     )
-    options = ShardOptions(parallel, args.hf_assets, args.force, not args.no_sync)
+    options = ShardOptions(parallel, args.hf_assets, args.force, not args.no_sync, args.s3_endpoint)
     result = shard(args.model_dir, args.output_dir, options, comm=comm)
     if comm.rank == 0 and not args.quiet:
         say(

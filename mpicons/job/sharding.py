@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -24,8 +25,9 @@ from ..adaptation.inverse import invert
 from ..comm import as_communicator
 from ..comm.agreement import agree, agree_on
 from ..core.errors import InputError
-from ..core.safetensors_codec import DTYPE_BY_NAME, read_header
+from ..core.safetensors_codec import DTYPE_BY_NAME, PREFIX_SIZE, BadPrefix, Header, header_length, parse_header
 from ..io.backends import open_output
+from ..io.inputs import InputStore, PosixInputs, open_inputs
 from ..io.outdir import OutputDir
 from ..io.outputs import OutputBackend
 from ..io.regular_files import write_new_file
@@ -63,6 +65,7 @@ class ShardOptions:
     hf_assets: str | None = None  # the directory with config.json (default: the model's own)
     force: bool = False
     sync: bool = True
+    s3_endpoint: str | None = None  # for an s3:// model: the S3 API's endpoint (default: boto3's own settings)
 
 
 @dataclass(frozen=True)
@@ -96,39 +99,76 @@ class ShardResult:
     bytes_per_rank: tuple[int, ...] = ()
 
 
-def read_model(src: str, hf_assets: str | None) -> Model:
-    """The model's config and its safetensors headers (bad input: a directory that is not a model)."""
-    config_path = os.path.join(hf_assets or src, "config.json")
-    try:
-        with open(config_path, encoding="utf-8") as handle:
-            config = json.load(handle)
-    except FileNotFoundError:
-        raise InputError(f"{config_path}: not found; give the model's Hugging Face files with --hf-assets DIR") from None
-    except (OSError, ValueError) as exc:
-        raise InputError(f"{config_path}: cannot read it ({exc})") from None
-    files = _weight_files(src)
-    if not files:
-        raise InputError(f"{src}: no .safetensors files: give a Hugging Face model directory")
+def read_model(store: InputStore, hf_assets: str | None) -> Model:
+    """The model's config and its safetensors headers, from a directory or an ``s3://`` prefix (bad input:
+    a location that is not a model)."""
+    jsons = dict(zip(*store.list_suffixed((".json",))))
+    if hf_assets is not None:
+        if not os.path.isfile(os.path.join(hf_assets, "config.json")):
+            raise InputError(f"{os.path.join(hf_assets, 'config.json')}: not found; --hf-assets names the directory holding it")
+        config = _json(PosixInputs(hf_assets), "config.json", None)
+    elif "config.json" in jsons:
+        config = _json(store, "config.json", jsons["config.json"])
+    else:
+        raise InputError(f"{store.path('config.json')}: not found; give the model's Hugging Face files with --hf-assets DIR")
+    files = _weight_files(store, jsons)
     tensors: dict[str, tuple[int, str, tuple[int, ...], int]] = {}
-    for number, name in enumerate(files):
-        header = read_header(os.path.join(src, name))
+    for number, (name, size) in enumerate(files):
+        header = _header(store, name, size)
         for entry in header.tensors:
             if entry.name in tensors:
-                raise InputError(f"{src}: {entry.name!r} is in {files[tensors[entry.name][0]]} and {name}")
+                raise InputError(f"{store.location}: {entry.name!r} is in {files[tensors[entry.name][0]][0]} and {name}")
             tensors[entry.name] = (number, entry.dtype, entry.shape, header.data_start + entry.begin)
-    return Model(config, tuple(files), tensors)
+    return Model(config, tuple(name for name, _ in files), tensors)
 
 
-def _weight_files(src: str) -> list[str]:
-    """The model's weight files: those its index names, else every ``.safetensors`` file of the directory."""
-    index = os.path.join(src, "model.safetensors.index.json")
+def _json(store: InputStore, name: str, size: int | None) -> dict[str, Any]:
+    """A small JSON file of the model, read whole; bad input when it is missing or not an object."""
     try:
-        with open(index, encoding="utf-8") as handle:
-            return sorted(set(json.load(handle)["weight_map"].values()))
+        source = store.open(name, size)
+        try:
+            raw = source.read_at(0, size if size is not None else os.path.getsize(store.path(name)))
+        finally:
+            source.close()
+        value = json.loads(raw)
     except FileNotFoundError:
-        return sorted(n for n in os.listdir(src) if n.endswith(".safetensors"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise InputError(f"{index}: not a Hugging Face index ({exc})") from None
+        raise InputError(f"{store.path(name)}: not found; give the model's Hugging Face files with --hf-assets DIR") from None
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{store.path(name)}: cannot read it ({exc})") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{store.path(name)}: not a JSON object")
+    return value
+
+
+def _weight_files(store: InputStore, jsons: dict[str, int]) -> list[tuple[str, int]]:
+    """The model's weight files and sizes: those its index names, else every ``.safetensors`` file there."""
+    listed = dict(zip(*store.list_suffixed((".safetensors",))))
+    index = "model.safetensors.index.json"
+    if index in jsons:
+        try:
+            wanted = sorted(set(_json(store, index, jsons[index])["weight_map"].values()))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise InputError(f"{store.path(index)}: not a Hugging Face index ({exc})") from None
+        missing = [name for name in wanted if name not in listed]
+        if missing:
+            raise InputError(f"{store.path(missing[0])}: named by {index} but not there: is the model complete?")
+        return [(name, listed[name]) for name in wanted]
+    if not listed:
+        raise InputError(f"{store.location}: no .safetensors files: give a Hugging Face model directory")
+    return sorted(listed.items())
+
+
+def _header(store: InputStore, name: str, size: int) -> Header:
+    """One weight file's safetensors header, read with two ranged reads."""
+    source = store.open(name, size)
+    try:
+        try:
+            length = header_length(source.read_at(0, PREFIX_SIZE), size)
+        except BadPrefix as exc:
+            raise InputError(f"{store.path(name)}: not a safetensors file ({exc.what})") from None
+        return parse_header(source.read_at(PREFIX_SIZE, length), size, store.path(name))
+    finally:
+        source.close()
 
 
 @dataclass(frozen=True)
@@ -209,7 +249,8 @@ def shard(
     :func:`mpicons.consolidate` takes)."""
     started = time.perf_counter()
     src, out, options, comm = os.fspath(model_dir), os.fspath(output_dir), options or ShardOptions(), as_communicator(comm)
-    model: Model = agree_on(comm, 0, lambda: read_model(src, options.hf_assets))
+    store: InputStore = agree(comm, lambda: open_inputs(src, options.s3_endpoint))
+    model: Model = agree_on(comm, 0, lambda: read_model(store, options.hf_assets))
     plan: Plan = agree(comm, lambda: plan_shard(model, options.parallel))
     holder: list[OutputDir] = []
     try:
@@ -219,7 +260,7 @@ def shard(
         try:
             agree(comm, output.create)
             agree_on(comm, 0, lambda: _write_archives(output, plan.items))
-            agree(comm, lambda: _copy_share(output, SourceFiles(src, model.files), share_of(plan.copies, comm.rank, comm.size)))
+            agree(comm, lambda: _copy_share(output, store.sources(model.files), share_of(plan.copies, comm.rank, comm.size)))
             agree(comm, output.sync)
         finally:
             output.close()
