@@ -29,8 +29,9 @@ EXPECTED = "model.safetensors"
 
 
 def mesh(case: str) -> mpicons.Parallelism:
+    """The fixture's mesh and layer spec: Megatron-LM wrote the fixtures with the local spec."""
     facts = shape_of(case)
-    return mpicons.Parallelism(tp=facts["tp"], pp=facts["pp"], ep=facts.get("ep", 1))
+    return mpicons.Parallelism(tp=facts["tp"], pp=facts["pp"], ep=facts.get("ep", 1), spec="local")
 
 
 def padding_bytes(case: str) -> int:
@@ -84,7 +85,7 @@ def test_torch_reads_what_megatron_saved(tmp_path, case):
 
 def test_the_files_are_the_same_at_any_rank_count(tmp_path):
     case = "qwen3moe-ep2"
-    args = [expected_dir(case), "--hf-assets", hf_assets(case), "--ep", "2", "-q"]
+    args = [expected_dir(case), "--hf-assets", hf_assets(case), "--ep", "2", "--spec", "local", "-q"]
     for ranks in (1, 3):
         proc, _ = cli(ranks, "shard", args[0], tmp_path / f"out{ranks}", *args[1:])
         assert proc.returncode == 0, proc.stderr
@@ -265,3 +266,30 @@ def test_a_model_in_s3_is_sharded_with_ranged_reads(tmp_path, case, s3_endpoint,
     shard_case(case, tmp_path / "local")
     for name in ("__0_0.distcp", "common.pt", "metadata.json"):
         assert (tmp_path / "from-s3" / "release" / name).read_bytes() == (tmp_path / "local" / "release" / name).read_bytes()
+
+
+def test_the_transformer_engine_spec_names_the_norms_as_megatron_lm_builds_them(tmp_path):
+    """The default spec, Megatron-LM's default build (FACTS.md §4, §15): MoE layers keep pre_mlp_layernorm;
+    with multi-latent attention the latent norms are fused into the up projections, input_layernorm kept,
+    a dense layer's pre-MLP norm fused into linear_fc1. Consolidated back, the same model."""
+    pytest.importorskip("torch")
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = {}
+    for case in ("qwen3moe-ep2", "deepseekv3-ep2"):
+        out = tmp_path / case
+        mpicons.shard(expected_dir(case), out, mpicons.ShardOptions(mpicons.Parallelism(ep=2)), comm=SingleProcess())
+        keys[case] = set(FileSystemReader(str(out / "release")).read_metadata().state_dict_metadata)
+        mpicons.consolidate(out, tmp_path / f"{case}-back", comm=SingleProcess(), hf_assets=str(hf_assets(case)))
+        assert (tmp_path / f"{case}-back" / EXPECTED).read_bytes() == (expected_dir(case) / EXPECTED).read_bytes()
+    moe = keys["qwen3moe-ep2"]
+    assert "decoder.layers.pre_mlp_layernorm.weight" in moe
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in moe
+    assert not any("mlp.linear_fc1.layer_norm_weight" in k for k in moe)
+    mla = keys["deepseekv3-ep2"]
+    dense, routed = "decoder.layers.0.", "decoder.layers.1."
+    assert {dense + "mlp.linear_fc1.layer_norm_weight", routed + "pre_mlp_layernorm.weight"} <= mla
+    assert {p + "input_layernorm.weight" for p in (dense, routed)} <= mla
+    assert {p + f"self_attention.linear_{x}_up_proj.layer_norm_weight" for p in (dense, routed) for x in ("q", "kv")} <= mla
+    assert not any(k.endswith(("q_layernorm.weight", "kv_layernorm.weight", dense + "pre_mlp_layernorm.weight")) for k in mla)
+    assert routed + "mlp.linear_fc1.layer_norm_weight" not in mla

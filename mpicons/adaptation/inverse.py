@@ -104,6 +104,11 @@ class SavedForm:
 
     keyed: frozenset[str] = frozenset()
     unsaved: tuple[str, ...] = ()
+    #: Whole saved names the trainer does not write (a norm fused in some layers, separate in others).
+    unsaved_names: frozenset[str] = frozenset()
+
+    def writes(self, name: str) -> bool:
+        return not name.endswith(self.unsaved) and name not in self.unsaved_names
 
 
 def _invertible(rule: Rule, config: Mapping[str, object], form: SavedForm) -> bool:
@@ -111,7 +116,7 @@ def _invertible(rule: Rule, config: Mapping[str, object], form: SavedForm) -> bo
     source, its condition holding, in the trainer's saved form."""
     if rule.target is None or rule.skip or "*" in rule.source or not rule.applies(config):
         return False
-    return not form.keyed.intersection(rule.unbound) and not rule.source.endswith(form.unsaved)
+    return not form.keyed.intersection(rule.unbound)
 
 
 def _source_name(rule: Rule, captures: Mapping[str, int]) -> str:
@@ -138,6 +143,8 @@ def _claim(
                 break
             unbound = rule.unbound
             source = _source_name(rule, {k: v for k, v in values.items() if k not in unbound})
+            if not form.writes(source):
+                continue
             claims = groups.setdefault((number, source), _Claims(rule, source))
             part = choices.index(found.group("_part")) if choices else 0
             claims.names[(tuple(values[f] for f in unbound), part)] = hf

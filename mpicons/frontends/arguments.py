@@ -303,7 +303,10 @@ def _add_shard_command(commands: Any) -> None:
             flag, type=_int_at_least(1), default=1, metavar="N", help=f"{what}-parallel size the run uses (default: 1)"
         )
     shard.add_argument(
-        "--spec", choices=["local", "te"], default="local", help="Megatron layer spec: norm names (default: local)"
+        "--spec",
+        choices=["te", "local"],
+        default="te",
+        help="the layer spec the run builds (Megatron-LM's --transformer-impl): the norms' names (default: %(default)s)",
     )
     shard.add_argument(
         "--make-vocab-size-divisible-by",

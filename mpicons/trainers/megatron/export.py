@@ -45,7 +45,7 @@ class Parallelism:
     pp: int = 1
     ep: int = 1
     divisible_by: int = 128  # Megatron-LM's --make-vocab-size-divisible-by
-    spec: str = "local"
+    spec: str = "te"  # Megatron-LM builds Transformer Engine layers unless told --transformer-impl local
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "divisible_by"):
@@ -61,27 +61,37 @@ class Parallelism:
 
 
 def expert_layers(config: Mapping[str, Any]) -> list[bool] | None:
-    """Which layers of a Qwen-MoE or Mixtral model have experts (None: a dense model): Qwen-MoE's
-    ``mlp_only_layers`` and ``decoder_sparse_step`` leave some dense."""
+    """Which layers have experts (None: a dense model): DeepSeek-V3's after ``first_k_dense_replace``, a
+    Qwen-MoE's but its ``mlp_only_layers`` and those ``decoder_sparse_step`` skips, every Mixtral layer."""
+    layers = int(_field(config, "num_hidden_layers", default=0))
+    if config.get("model_type") == "deepseek_v3":
+        first = int(_field(config, "first_k_dense_replace", default=0))
+        return [i >= first for i in range(layers)]
     if not _field(config, "num_experts", "num_local_experts"):
         return None
-    layers = int(_field(config, "num_hidden_layers", default=0))
     dense, step = set(config.get("mlp_only_layers") or ()), int(config.get("decoder_sparse_step") or 1)
     return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
 
 
 def saved_form(config: Mapping[str, Any], spec: str) -> SavedForm:
-    """The names Megatron-LM saves for this model and layer spec (FACTS.md §4, §15): layers one key
-    each where they differ (DeepSeek-V3's dense first layers, a Qwen-MoE's dense layers), DeepSeek-V3's
-    with separate norm modules; MoE layers under the Transformer Engine spec keep a separate
-    ``pre_mlp_layernorm``."""
-    if config.get("model_type") == "deepseek_v3":
-        return SavedForm(frozenset({"N"}), _FUSED_NORMS)
+    """The names Megatron-LM saves for this model and layer spec (FACTS.md §4, §15). Layers that differ
+    (DeepSeek-V3's dense first layers, a Qwen-MoE's dense layers) are one key each. Both specs save a dense
+    MLP's norm fused (``mlp.linear_fc1.layer_norm_weight``) but for DeepSeek-V3's local spec; the
+    Transformer Engine spec keeps MoE layers' ``pre_mlp_layernorm`` and fuses MLA's latent norms into the
+    up projections; multi-latent attention keeps ``input_layernorm``."""
     experts = expert_layers(config)
     keyed = frozenset({"N"}) if experts is not None and not all(experts) else frozenset()
-    if spec == "te" and experts is not None:
-        return SavedForm(keyed, ("linear_fc1.layer_norm_weight",))
-    return SavedForm(keyed)
+    mla = config.get("model_type") == "deepseek_v3"
+    if mla and spec == "local":
+        return SavedForm(keyed, _FUSED_NORMS)
+    unsaved = ("linear_qkv.layer_norm_weight", "self_attention.q_layernorm.weight", "self_attention.kv_layernorm.weight")
+    if spec != "te" or experts is None:
+        return SavedForm(keyed, unsaved if mla else ())
+    fused, separate = "mlp.linear_fc1.layer_norm_weight", "pre_mlp_layernorm.weight"
+    if not keyed:  # every layer has experts
+        return SavedForm(keyed, (*(unsaved if mla else ()), fused))
+    names = frozenset(f"decoder.layers.{i}.{fused if moe else separate}" for i, moe in enumerate(experts))
+    return SavedForm(keyed, unsaved if mla else (), names)
 
 
 def check_layers(config: Mapping[str, Any], parallel: Parallelism) -> None:
