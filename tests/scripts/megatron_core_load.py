@@ -6,11 +6,12 @@ then ``PYTHONPATH=DIR``)::
 
     torchrun --nproc-per-node TP tests/scripts/megatron_core_load.py CHECKPOINT MODEL_DIR CASE
 
-CHECKPOINT is ``mpicons shard --spec local``'s output directory (the local layer spec's names), MODEL_DIR the Hugging Face model it was written from,
-CASE the Megatron fixture's name (``llama-tp2``, ``qwen2-tp2``, ``qwen3-pp2``, ``qwen3moe-ep2``). The model is
-built with Megatron-Core's local layer spec at TP (EP for a MoE model) = the number of processes, loaded, and (at TP 1) every
-parameter compared with what Megatron-LM saved for the model (tests/megatron_cases.py); its logits are
-compared with transformers' for the same Hugging Face weights.
+CHECKPOINT is ``mpicons shard --spec local``'s output directory (the local layer spec's names),
+MODEL_DIR the Hugging Face model it was written from, CASE the Megatron fixture's name (``llama-tp2``,
+``qwen2-tp2``, ``qwen3-pp2``, ``qwen3moe-ep2``). The model is built with Megatron-Core's local layer spec
+at TP (EP for a MoE model) = the number of processes, loaded, and (on one process) every parameter
+compared with what Megatron-LM saved for the model (tests/megatron_cases.py); its logits are compared
+with transformers' for the same Hugging Face weights.
 """
 
 from __future__ import annotations
