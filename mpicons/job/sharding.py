@@ -260,7 +260,8 @@ def shard(
         try:
             agree(comm, output.create)
             agree_on(comm, 0, lambda: _write_archives(output, plan.items))
-            agree(comm, lambda: _copy_share(output, store.sources(model.files), share_of(plan.copies, comm.rank, comm.size)))
+            mine = share_of(plan.copies, comm.rank, comm.size)
+            agree(comm, lambda: _copy_share(output, store.sources(model.files), mine))
             agree(comm, output.sync)
         finally:
             output.close()
@@ -269,7 +270,7 @@ def shard(
         if holder:
             holder[0].close()
     tensors = sum(1 for item in plan.items if item.tensor is not None)
-    per_rank = tuple(sum(c.length for c in share_of(plan.copies, r, comm.size)) for r in range(comm.size))
+    per_rank = tuple(agree(comm, lambda: sum(c.length for c in mine), gather=True))
     return ShardResult(os.path.join(out, RELEASE), tensors, len(plan.items), sum(per_rank),
                        time.perf_counter() - started, per_rank)  # fmt: skip
 
