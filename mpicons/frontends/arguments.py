@@ -199,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="mpicons",
         description="Consolidate sharded training checkpoints (torch DCP, torchtitan, Megatron-Core, DeepSpeed ZeRO, "
-        "verl, accelerate) into Hugging Face model directories, MPI-parallel.",
+        "verl, accelerate) into Hugging Face model directories, and shard a Hugging Face model into a Megatron-Core "
+        "checkpoint, MPI-parallel.",
     )
     parser.add_argument("--version", action="version", version=f"mpicons {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
