@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import re
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -183,13 +184,12 @@ def invert(
 ) -> Inverted:
     """The saved tensors that ``rules`` map to the Hugging Face tensors ``shapes`` (name → shape), with
     ``config`` (its defaults filled in); ``padded(k)``: the rows a ``crop_rows(k)`` tensor is saved with.
-    ``form``: which of the names the rules allow the trainer writes. Every name must be claimed by a rule; the first problem is an
-    :class:`InputError` naming the rule's line."""
+    ``form``: which of the names the rules allow the trainer writes. Every name must be claimed by a rule;
+    the first problem is an :class:`InputError` naming the rule's line."""
     config = rules.config_with_defaults(config)
     groups, dropped = _claim(shapes, rules, config, form)
     saved = [_saved(claims, shapes, config, padded) for claims in groups]
-    names = [t.name for t in saved]
-    twice = sorted({n for n in names if names.count(n) > 1})
+    twice = sorted(name for name, count in Counter(t.name for t in saved).items() if count > 1)
     if twice:
         raise InputError(f"adapter {rules.origin}: {twice[0]!r} would be filled by two rules: a rule file's targets overlap")
     return Inverted(tuple(saved), tuple(dropped))
@@ -213,12 +213,12 @@ def _saved(
         sizes = (value,) if isinstance(value, int) else value
     parts = len(sizes) if split is not None else 1
     counts = _counts(claims, parts)
-    first = {part: claims.names[(next(iter(claims.names))[0], part)] for part in range(parts)}
-    if not shapes[first[0]]:
-        raise InputError(f"{rule.where}: {first[0]!r} is a scalar: a saved tensor is made of rows")
-    rest = shapes[first[0]][1:]
+    first = next(iter(claims.names.values()))
+    if not shapes[first]:
+        raise InputError(f"{rule.where}: {first!r} is a scalar: a saved tensor is made of rows")
+    rest = shapes[first][1:]
     if split is None:
-        sizes = (shapes[first[0]][0],)
+        sizes = (shapes[first][0],)
     for (_, part), hf in claims.names.items():
         expected = (groups * sizes[part], *rest)
         if tuple(shapes[hf]) != expected:
@@ -227,7 +227,7 @@ def _saved(
     if crop is not None:
         wanted = _number(crop.value("rows", config, rule.where), rule)
         if wanted != kept:
-            raise InputError(f"{rule.where}: {first[0]!r} has {kept} rows; crop_rows keeps {wanted} (check the config's sizes)")
+            raise InputError(f"{rule.where}: {first!r} has {kept} rows; crop_rows keeps {wanted} (check the config's sizes)")
         rows = padded(kept)
     else:
         rows = kept

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from ..comm.agreement import Comm, agree
 from ..io.manifest import HASH_STEP, hash_file, hash_own_file, spread_by_bytes
 
 if TYPE_CHECKING:
     from ..io.s3 import S3Client
+
+T = TypeVar("T")
 
 #: What a rank does with a file it cannot hash: the path and the error → the digest to report, or raise.
 OnError = Callable[[str, Exception], str | None]
@@ -33,10 +35,15 @@ def hash_over_ranks(
     :data:`~mpicons.io.manifest.HASH_STEP` steps through one buffer. ``on_error`` turns a file that
     cannot be read into an entry (None: not hashed) instead of a failure of the phase.
     """
-    merged: dict[int, str | None] = {}
-    for part in agree(comm, lambda: hash_share(paths, sizes, comm.rank, comm.size, follow_links, on_error), gather=True):
+    return digests_over_ranks(comm, lambda: hash_share(paths, sizes, comm.rank, comm.size, follow_links, on_error), len(paths))
+
+
+def digests_over_ranks(comm: Comm, mine: Callable[[], dict[int, T]], count: int) -> list[T]:
+    """Each rank's digests by file number (``mine``, one agreed phase), merged into one list on every rank."""
+    merged: dict[int, T] = {}
+    for part in agree(comm, mine, gather=True):
         merged.update(part)
-    return [merged[file] for file in range(len(paths))]
+    return [merged[file] for file in range(count)]
 
 
 def hash_share(
@@ -83,10 +90,7 @@ def hash_objects(comm: Comm, client: S3Client, names: Sequence[str], sizes: Sequ
                 digests[file] = digest.hexdigest()
         return digests
 
-    merged: dict[int, str] = {}
-    for part in agree(comm, mine, gather=True):
-        merged.update(part)
-    return [merged[file] for file in range(len(names))]
+    return digests_over_ranks(comm, mine, len(names))
 
 
-__all__ = ["hash_over_ranks", "hash_share", "hash_objects"]
+__all__ = ["digests_over_ranks", "hash_over_ranks", "hash_share", "hash_objects"]

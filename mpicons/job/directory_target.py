@@ -31,7 +31,7 @@ from ..io.outputs import OutputBackend
 from ..io.resume import BlockLog, DoneRanges, RunIdentity, read_done, write_identity
 from ..io.sources import SourceFiles
 from .adapter_setup import refuse_checkpoint_output
-from .checksums import hash_over_ranks, hash_share
+from .checksums import digests_over_ranks, hash_over_ranks, hash_share
 from .pipeline import Start
 from .resumption import Resume, run_identity
 from .scan import Scanned, open_sources, rank_directory
@@ -172,10 +172,8 @@ class DirectoryTarget:
                 flushed.result()
             return mine
 
-        digests: dict[int, str | None] = {}
-        for share in agree(comm, both, gather=True):
-            digests.update(share)
-        return {f.name: str(digests[i]) for i, f in enumerate(layout.files)}
+        digests = digests_over_ranks(comm, both, len(layout.files))
+        return {f.name: str(digest) for f, digest in zip(layout.files, digests)}
 
     def publish(self, layout: Layout, assets: HFAssets | None) -> None:
         """The owner stages the Hugging Face assets and the index, and publishes everything as one
